@@ -1,0 +1,1 @@
+"""How bytes reach a process: local subprocess, SSH channel, and the pct wrapper."""

@@ -1,0 +1,90 @@
+"""The transport protocol: run an argv somewhere, with stdin, streaming and a timeout, get a Result.
+
+Local and SSH are peers; the pct layer only wraps its parent's argv (pct exec CTID -- argv).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from orchestrator.errors import RemoteCommandError
+
+StreamCallback = Callable[[bytes], None]
+
+
+@dataclass
+class Result:
+    """What one command did.
+
+    `stdout` is empty when the caller streamed it through `on_stdout`; `stderr` likewise.
+    """
+
+    argv: list[str]
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    where: str = "local"
+    duration_s: float = 0.0
+    stderr_tail: bytes = field(default=b"", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def text(self) -> str:
+        return self.stdout.decode("utf-8", errors="replace")
+
+    def describe(self, lines: int = 10) -> str:
+        """The command, where it ran, its exit code and the last lines of stderr (or stdout)."""
+        from orchestrator.transport.quoting import render
+
+        tail_src = self.stderr or self.stderr_tail or self.stdout
+        tail = tail_src.decode("utf-8", errors="replace").splitlines()[-lines:]
+        out = [f"  command ({self.where}): {render(self.argv)[:400]}", f"  exit code: {self.exit_code}"]
+        if tail:
+            out.append("  last lines:")
+            out.extend("    " + line for line in tail)
+        return "\n".join(out)
+
+    def check(self, what: str = "command") -> "Result":
+        """Return self if the command succeeded, else raise RemoteCommandError carrying self."""
+        if self.exit_code != 0:
+            raise RemoteCommandError(f"{what} failed with exit code {self.exit_code} on {self.where}", result=self)
+        return self
+
+
+class Transport(Protocol):
+    """Where a command runs. Implementations: LocalTransport, SSHTransport, PctTransport (wraps a parent)."""
+
+    name: str
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        on_stdout: StreamCallback | None = None,
+        on_stderr: StreamCallback | None = None,
+    ) -> Result:
+        """Run argv to completion.
+
+        Args:
+            argv: the command; never a shell string.
+            stdin: bytes written to the command's stdin, which is then closed (None: closed at once).
+            timeout: seconds for the whole command; on expiry the command is killed and
+                `CommandTimeout` raised.
+            on_stdout / on_stderr: when given, chunks are passed as they arrive and not kept in the Result.
+        Raises:
+            ConnectError: the transport cannot reach the place.
+            CommandTimeout: the timeout expired.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+class CommandTimeout(RemoteCommandError):
+    """The command outlived its timeout and was killed."""

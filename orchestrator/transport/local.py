@@ -1,0 +1,122 @@
+"""Run commands on this machine: a subprocess, no shell, stdout and stderr drained on their own threads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+from orchestrator.errors import ConnectError
+from orchestrator.transport.base import CommandTimeout, Result, StreamCallback
+
+_CHUNK = 65536
+_TAIL = 16384
+
+
+def _drain(stream, sink: list[bytes], callback: StreamCallback | None, tail: bytearray) -> None:
+    """Read a pipe to EOF; hand chunks to callback or keep them; always keep a bounded tail."""
+    try:
+        while True:
+            chunk = stream.read1(_CHUNK) if hasattr(stream, "read1") else stream.read(_CHUNK)
+            if not chunk:
+                break
+            if callback is not None:
+                callback(chunk)
+            else:
+                sink.append(chunk)
+            tail.extend(chunk)
+            if len(tail) > _TAIL:
+                del tail[: len(tail) - _TAIL]
+    finally:
+        stream.close()
+
+
+class LocalTransport:
+    """Subprocess runner. The child gets its own process group so a timeout kills all of it."""
+
+    name = "local"
+
+    def __init__(self, env: dict[str, str] | None = None, cwd: str | None = None):
+        self.env = env
+        self.cwd = cwd
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        on_stdout: StreamCallback | None = None,
+        on_stderr: StreamCallback | None = None,
+    ) -> Result:
+        argv = list(argv)
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        except FileNotFoundError as exc:
+            return Result(argv, 127, b"", f"{argv[0]}: command not found ({exc})\n".encode(), self.name)
+        except OSError as exc:  # pragma: no cover - permissions and the like
+            raise ConnectError(f"cannot start {argv[0]!r} locally: {exc}") from exc
+
+        out: list[bytes] = []
+        err: list[bytes] = []
+        out_tail, err_tail = bytearray(), bytearray()
+        readers = [
+            threading.Thread(target=_drain, args=(proc.stdout, out, on_stdout, out_tail), daemon=True),
+            threading.Thread(target=_drain, args=(proc.stderr, err, on_stderr, err_tail), daemon=True),
+        ]
+        for t in readers:
+            t.start()
+        if stdin is not None:
+            writer = threading.Thread(target=self._feed, args=(proc, stdin), daemon=True)
+            writer.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+            for t in readers:
+                t.join(5)
+            res = Result(argv, -9, b"".join(out), b"".join(err), self.name, time.monotonic() - start, bytes(err_tail))
+            raise CommandTimeout(f"command timed out after {timeout:.0f} s on {self.name}", result=res) from None
+        except KeyboardInterrupt:
+            self._kill(proc)
+            raise
+        for t in readers:
+            t.join(30)
+        if code < 0:  # killed by a signal: report like a shell does
+            code = 128 - code
+        return Result(argv, code, b"".join(out), b"".join(err), self.name, time.monotonic() - start, bytes(err_tail))
+
+    @staticmethod
+    def _feed(proc: subprocess.Popen, data: bytes) -> None:
+        try:
+            proc.stdin.write(data)
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def close(self) -> None:
+        pass

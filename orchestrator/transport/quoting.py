@@ -1,0 +1,43 @@
+"""The one quoting function. Every remote command line in dflashctl is an argv list until this module
+renders it for the single shell that will parse it (the SSH server's login shell on the host).
+
+`pct exec` runs its argv without a shell inside the container (lxc-attach execs it directly), so the
+host's shell is the only parser on the whole path: quote exactly once, here.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+
+
+def render(argv: Sequence[str]) -> str:
+    """Render an argv list as one POSIX shell command line that the shell splits back into `argv`.
+
+    Raises:
+        ValueError: an element is not a str, or contains a NUL byte (no shell can carry one).
+    """
+    for arg in argv:
+        if not isinstance(arg, str):
+            raise ValueError(f"argv elements must be str, got {type(arg).__name__}: {arg!r}")
+        if "\x00" in arg:
+            raise ValueError(f"argv element contains a NUL byte: {arg!r}")
+    if not argv:
+        raise ValueError("empty argv")
+    return shlex.join(argv)
+
+
+def with_env(env: Mapping[str, str], argv: Sequence[str], *, clear: bool = True) -> list[str]:
+    """Prefix argv with `env [-i] K=V ...` so variables are set inside the command itself.
+
+    `pct exec` resets PATH and (with --keep-env 0) the environment, and sshd often drops
+    `AcceptEnv` variables, so the environment travels in argv, never in the channel.
+    """
+    prefix = ["env", "-i"] if clear else ["env"]
+    for key, value in env.items():
+        if not key or "=" in key or not (key[0].isalpha() or key[0] == "_") or not all(
+            c.isalnum() or c == "_" for c in key
+        ):
+            raise ValueError(f"bad environment variable name: {key!r}")
+        prefix.append(f"{key}={value}")
+    return [*prefix, *argv]

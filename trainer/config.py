@@ -1,0 +1,240 @@
+"""The training config: typed, one docstring per field, validated with messages that say how to fix.
+
+The resolved config is written into the run directory (`runs/<id>/config.json`) by the orchestrator and
+read back by `python -m trainer ...`. Unknown keys are errors (a typo must never be silently ignored).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """The reference formula: 1 feature -> [L//2]; else uniform between 1 and L-3 (inclusive).
+
+    Ids are z-lab convention: id l is the OUTPUT of decoder layer l == HF hidden_states[l+1].
+    """
+    L = num_target_layers
+    if num_features < 1:
+        raise ValueError("num_features must be >= 1")
+    if num_features == 1:
+        return [L // 2]
+    if L < 4:
+        raise ValueError(f"a target with {L} layers is too shallow for {num_features} features (needs >= 4 layers)")
+    return [int(round(1 + i * (L - 4) / (num_features - 1))) for i in range(num_features)]
+
+
+class TinyTargetConfig(_Strict):
+    """A random-weight Qwen3 target built from a config (no downloads), for the demo and tests."""
+
+    family: Literal["qwen3", "llama"] = "qwen3"
+    """Model family of the tiny target."""
+    vocab_size: int = Field(512, ge=64)
+    """Vocabulary of the tokenizer trained locally (and of the model)."""
+    hidden_size: int = Field(64, ge=8)
+    """Target (and drafter) hidden size."""
+    intermediate_size: int = Field(128, ge=8)
+    """Target MLP size."""
+    num_hidden_layers: int = Field(6, ge=2)
+    """Target depth."""
+    num_attention_heads: int = Field(4, ge=1)
+    """Target attention heads."""
+    num_key_value_heads: int = Field(2, ge=1)
+    """Target KV heads (GQA)."""
+    head_dim: int = Field(16, ge=4)
+    """Per-head dimension."""
+    rope_theta: float = 10000.0
+    """RoPE base of the target (the drafter copies it)."""
+    seed: int = 0
+    """Seed for the random weights, the tokenizer corpus and the prompt set."""
+    num_prompts: int = Field(96, ge=4)
+    """Number of generated prompts (train + held-out)."""
+    held_out: int = Field(8, ge=1)
+    """Prompts kept out of training for τ evaluation."""
+    response_tokens: int = Field(48, ge=4)
+    """Length of the target's greedy (regenerated) responses."""
+
+
+class ModelConfig(_Strict):
+    """Drafter geometry. Sizes not given are copied from the target."""
+
+    target: str = "tiny"
+    """Target model: a local HF model directory, or `tiny` (built from `tiny_target`)."""
+    tiny_target: TinyTargetConfig = TinyTargetConfig()
+    """Used when target == "tiny"."""
+    block_size: int = Field(16, ge=2, le=64)
+    """Draft block size (slot 0 = clean anchor token, slots 1..bs-1 = MASK)."""
+    num_draft_layers: int = Field(5, ge=1)
+    """Drafter decoder layers."""
+    num_target_features: int = Field(5, ge=1)
+    """How many target layers feed the drafter (used when target_layer_ids is not set)."""
+    target_layer_ids: list[int] | None = None
+    """Target layers whose OUTPUT feeds the drafter (z-lab ids; HF hidden_states[l+1]). Default: formula."""
+    mask_token_id: int | None = None
+    """Token id of MASK. Default: the tokenizer's mask token, else the first unused id."""
+    intermediate_size: int | None = None
+    """Drafter MLP size; default: the target's."""
+    num_attention_heads: int | None = None
+    """Drafter heads; default: the target's."""
+    num_key_value_heads: int | None = None
+    """Drafter KV heads; default: the target's."""
+    head_dim: int | None = None
+    """Drafter head dim; default: the target's."""
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    """auto: flex_attention on CUDA, SDPA with the equivalent dense mask on CPU (flex has no CPU backward)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter / compute dtype of the drafter."""
+
+
+class DataConfig(_Strict):
+    """Where conversations come from and how they are packed."""
+
+    train_files: list[str] = []
+    """jsonl files of conversations (ShareGPT `conversations` or OpenAI `messages`). Empty + tiny: generated."""
+    eval_files: list[str] = []
+    """jsonl files of held-out prompts for τ."""
+    regenerate: bool = True
+    """Replace assistant responses with the target's own greedy output before training (§2.1)."""
+    max_len: int = Field(3072, ge=16)
+    """Max tokens per sample; longer samples are skipped and counted."""
+    token_budget: int = Field(49152, ge=16)
+    """Tokens per step per drafter rank: rows x row length (49152 = 16 x 3072)."""
+    max_batch_size: int = Field(16, ge=1)
+    """Max packed rows per step."""
+    num_anchors: int = Field(512, ge=1)
+    """Anchors (blocks) per packed row, re-drawn every step."""
+
+
+class OptimConfig(_Strict):
+    """AdamW with cosine decay and linear warm-up, as in the paper (A.1)."""
+
+    lr: float = Field(6e-4, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    """Fraction of total steps spent warming up linearly."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Cosine floor as a fraction of lr."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global grad-norm clip."""
+
+
+class TrainConfig(_Strict):
+    """The whole training run."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    gamma: float | None = None
+    """Loss decay γ in w_k = exp(-(k-1)/γ). Default by block size: 7 (16), 5 (10), 4 (8)."""
+    epochs: int = Field(6, ge=1)
+    """Passes over the training data."""
+    max_steps: int | None = Field(None, ge=1)
+    """Hard cap on optimizer steps (None: epochs decide)."""
+    seed: int = 0
+    """Seed for weights init, anchors and data order."""
+    output_dir: str = "."
+    """Run directory: checkpoints/, export/, metrics.jsonl go here."""
+    log_every: int = Field(10, ge=1)
+    """Steps between metric lines."""
+    save_every: int = Field(200, ge=1)
+    """Steps between checkpoints."""
+    eval_every: int | None = None
+    """Steps between τ evaluations (None: only at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Complete checkpoints kept on disk."""
+
+    @field_validator("gamma")
+    @classmethod
+    def _gamma_positive(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError("gamma must be > 0 (typical: 7 for block 16, 5 for 10, 4 for 8)")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        ids = self.model.target_layer_ids
+        if ids is not None:
+            if len(ids) == 0:
+                raise ValueError("model.target_layer_ids is empty; omit it to use the default formula")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"model.target_layer_ids has duplicates: {ids}")
+            if any(i < 0 for i in ids):
+                raise ValueError(f"model.target_layer_ids must be >= 0: {ids}")
+        if self.data.max_len < self.model.block_size * 2:
+            raise ValueError(
+                f"data.max_len ({self.data.max_len}) must be at least 2 x block_size ({self.model.block_size})"
+            )
+        if self.data.token_budget < self.data.max_len:
+            raise ValueError(
+                f"data.token_budget ({self.data.token_budget}) is smaller than data.max_len ({self.data.max_len}): "
+                "no row could hold one sample; raise token_budget or lower max_len"
+            )
+        return self
+
+    @property
+    def resolved_gamma(self) -> float:
+        """γ as given, else the paper's value for this block size (7/5/4 for 16/10/8, else bs/2.3)."""
+        if self.gamma is not None:
+            return self.gamma
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.model.block_size, max(1.0, self.model.block_size / 2.3))
+
+    @property
+    def row_len(self) -> int:
+        """Length of one packed row (== max_len)."""
+        return self.data.max_len
+
+    @property
+    def rows_per_step(self) -> int:
+        """Packed rows per step: token_budget // max_len, capped by max_batch_size."""
+        return max(1, min(self.data.max_batch_size, self.data.token_budget // self.data.max_len))
+
+
+class ConfigError(ValueError):
+    """A config file is wrong; the message names the file and the bad key."""
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read a TrainConfig from JSON (or YAML if the suffix says so).
+
+    Raises:
+        ConfigError: missing file, bad syntax, unknown or invalid keys (each named with its dotted path).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: no such config file")
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(p.read_text())
+        else:
+            raw = json.loads(p.read_text())
+    except Exception as exc:  # noqa: BLE001 - syntax errors of two parsers
+        raise ConfigError(f"{p}: cannot parse: {exc}") from exc
+    return parse_config(raw, source=str(p))
+
+
+def parse_config(raw: dict, source: str = "<config>") -> TrainConfig:
+    """Validate a dict into TrainConfig, turning pydantic errors into one readable ConfigError."""
+    try:
+        return TrainConfig.model_validate(raw or {})
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            msg = "unknown key (check the spelling)" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"{source}: {loc}: {msg}")
+        raise ConfigError("\n".join(lines)) from None
+
