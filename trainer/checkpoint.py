@@ -1,0 +1,221 @@
+"""Training checkpoints: complete or absent, resumable, newest K kept.
+
+Layout under the run directory::
+
+    checkpoints/step_00000200/state.pt    model, optimizer, step, data position, RNG states
+    checkpoints/step_00000200/meta.json   written LAST: step, and size + sha256 of state.pt
+
+A checkpoint is written into `checkpoints/.tmp-step_...`, every file fsynced, then the directory is renamed
+into place (rename is atomic on one filesystem) and the parent fsynced. So a SIGKILL at any moment leaves
+either the old set of checkpoints or the old set plus one complete new one, never a half one under a final
+name. Resume still verifies meta.json (size and hash) and that the file loads, and skips with a warning
+anything that does not: a disk can lie, and a user can copy a directory half-way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint on disk."""
+
+    step: int
+    path: Path
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename itself lives in the directory entry; without this a power cut can forget it.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _warn(msg: str) -> None:
+    print(f"[checkpoint] warning: {msg}", file=sys.stderr, flush=True)
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints in one directory.
+
+    Args:
+        root: the checkpoints directory (created if missing).
+        keep: how many complete checkpoints to keep; older ones are deleted after a successful save.
+    """
+
+    def __init__(self, root: str | Path, keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- writing -----------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write a checkpoint atomically and prune old ones.
+
+        Args:
+            step: the optimizer step the state is AFTER (resume continues with step + 1).
+            state: a dict of tensors / plain Python values (must load with `weights_only=True`).
+
+        Returns:
+            The final checkpoint directory.
+        """
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f".tmp-step_{step:08d}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        state_path = tmp / "state.pt"
+        with open(state_path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {"step": step, "files": {"state.pt": {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}}}
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            # Same step saved again (a resumed run reaching a step it had saved): swap, never mix files.
+            old = self.root / f".old-step_{step:08d}-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        complete = self.list_complete()
+        for info in complete[: -self.keep]:
+            shutil.rmtree(info.path, ignore_errors=True)
+        # Leftovers of a process killed mid-save: never complete, safe to delete (ours have a pid suffix,
+        # and a live writer of the same run cannot exist: one trainer per run directory).
+        for p in self.root.iterdir():
+            if p.name.startswith((".tmp-step_", ".old-step_")) and not p.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def _verify(self, path: Path) -> str | None:
+        """Why a checkpoint directory is not usable, or None if it is complete and intact."""
+        meta_path = path / "meta.json"
+        if not meta_path.exists():
+            return "no meta.json (incomplete write)"
+        try:
+            meta = json.loads(meta_path.read_text())
+            files = meta["files"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            return f"meta.json unreadable ({exc})"
+        for name, info in files.items():
+            f = path / name
+            if not f.exists():
+                return f"{name} missing"
+            if f.stat().st_size != info.get("size"):
+                return f"{name} has {f.stat().st_size} bytes, meta.json says {info.get('size')} (truncated?)"
+            if _sha256(f) != info.get("sha256"):
+                return f"{name} does not match its sha256 (corrupt)"
+        return None
+
+    def list_complete(self) -> list[CheckpointInfo]:
+        """Checkpoints whose directory name is final and whose meta.json exists, oldest first.
+
+        (Cheap: does not hash; `latest` verifies fully.)
+        """
+        out = []
+        if not self.root.exists():
+            return out
+        for p in self.root.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir() and (p / "meta.json").exists():
+                out.append(CheckpointInfo(int(m.group(1)), p))
+        return sorted(out, key=lambda c: c.step)
+
+    def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[int, dict[str, Any]] | None:
+        """Load the newest checkpoint that is complete and intact.
+
+        Partial or corrupt checkpoints are skipped with a warning on stderr (and left on disk for a
+        human to look at).
+
+        Returns:
+            (step, state) or None when there is no usable checkpoint.
+        """
+        candidates = []
+        for p in self.root.iterdir() if self.root.exists() else []:
+            m = _NAME.match(p.name)
+            if m and p.is_dir():
+                candidates.append((int(m.group(1)), p))
+        for step, path in sorted(candidates, reverse=True):
+            why = self._verify(path)
+            if why is None:
+                try:
+                    state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - any unpickling failure means "unusable"
+                    why = f"state.pt does not load ({type(exc).__name__}: {exc})"
+                else:
+                    return step, state
+            _warn(f"skipping {path}: {why}")
+        return None
+
+
+# -- RNG state --------------------------------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """torch (CPU and CUDA), Python and numpy RNG states, in a form `torch.load(weights_only=True)` accepts."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "kind": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `capture_rng_state`."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    # torch.load gives lists back where tuples went in; random.setstate wants the exact tuple shape.
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,157 @@
+"""Structured metrics: one JSON object per line in `metrics.jsonl`, never a half line.
+
+The orchestrator follows this file while training runs (and compares runs), so every line must be a
+complete JSON object the moment it becomes visible: each record is serialised first and written with a
+single `write` + flush + fsync on a file opened in append mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """Make a value JSON-safe: tensors/numpy scalars to Python numbers, NaN/inf to strings.
+
+    JSON has no NaN; a diverged loss must still produce a valid line (as the string "nan").
+    """
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _clean(value.tolist())
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to a file, flushed and fsynced per line.
+
+    Args:
+        path: the jsonl file (created with its parent directory if missing; appended to otherwise,
+            so a resumed run continues the same file).
+        echo: also print a short human line to stdout per record (the orchestrator tees stdout to
+            train.log).
+    """
+
+    def __init__(self, path: str | Path, echo: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        # Append mode: the OS positions every write at the end, so a concurrent reader sees whole lines.
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._repair_tail()
+
+    def _repair_tail(self) -> None:
+        """If a previous process died mid-line (should not happen, but disks lie), end that line first.
+
+        Without this the next record would be glued to the fragment and both lines would be unreadable.
+        """
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return
+        if size == 0:
+            return
+        with open(self.path, "rb") as r:
+            r.seek(size - 1)
+            if r.read(1) != b"\n":
+                self._f.write("\n")
+                self._f.flush()
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record as a single line.
+
+        Args:
+            record: a flat-ish dict; tensors, numpy scalars and non-finite floats are converted.
+        """
+        line = json.dumps(_clean(record), separators=(",", ":"), sort_keys=False) + "\n"
+        self._f.write(line)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        if self.echo:
+            print(format_human(record), flush=True)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read every complete line of a metrics file (a trailing partial line is ignored).
+
+    Returns:
+        The records in file order.
+    """
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def format_human(record: dict[str, Any]) -> str:
+    """One human-readable log line for a metrics record (the keys that exist, in a fixed order)."""
+    parts = []
+    for key, fmt in (
+        ("step", "{}"),
+        ("epoch", "{}"),
+        ("loss", "{:.4f}"),
+        ("acc", "{:.3f}"),
+        ("sim_tau", "{:.3f}"),
+        ("tokens_per_s", "{:.0f}"),
+        ("lr", "{:.2e}"),
+        ("rss_mb", "{:.0f}"),
+    ):
+        if key in record and isinstance(record[key], (int, float)):
+            parts.append(f"{key} " + fmt.format(record[key]))
+    kind = record.get("kind", "train")
+    return f"[{kind}] " + " | ".join(parts)
+
+
+def memory_stats() -> dict[str, float]:
+    """Current and peak resident memory of this process in MiB (and CUDA peak when on a GPU).
+
+    RSS comes from /proc (Linux); the peak from getrusage (KiB on Linux, bytes on macOS).
+    """
+    stats: dict[str, float] = {}
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        stats["rss_mb"] = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    stats["peak_rss_mb"] = peak / 2**20 if sys.platform == "darwin" else peak / 1024
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    except ImportError:
+        pass
+    return stats
