@@ -92,6 +92,12 @@ class AgentError(RemoteCommandError):
     def __init__(self, message: str, agent_type: str = "AgentError", fix: str | None = None, result=None):
         super().__init__(message, result=result, fix=fix)
         self.agent_type = agent_type
+        self.data: dict = {}
+
+    def with_data(self, data: dict) -> "AgentError":
+        """Attach the structured detail of the agent's error event (e.g. busy GPUs) and return self."""
+        self.data = data
+        return self
 
 
 class PreflightError(UserError):
