@@ -1,0 +1,566 @@
+"""Training data: conversations in jsonl -> chat template -> token ids + assistant loss mask -> packed rows.
+
+Pipeline (each stage a plain function, tested on its own):
+
+1. `read_conversations(paths)`: ShareGPT (`conversations: [{from, value}]`) or OpenAI (`messages: [{role,
+   content}]`) records -> `Conversation`s with normalised roles. Bad records are skipped and counted in a
+   `SkipReport` with `file:line`.
+2. `regenerate(target, tokenizer, conversations, max_new_tokens)`: every assistant turn replaced by the
+   target's own greedy output (reference §2.1: the drafter must learn what THIS target says).
+3. `tokenize(conversations, tokenizer, max_len)`: the tokenizer's chat template; loss mask = 1 on the tokens
+   of assistant turns (their content and end-of-turn marker), 0 on system/user text and template glue.
+4. `plan_epoch(lengths, ...)`: shuffled per epoch from the seed, first-fit into `rows_per_step` rows of
+   `row_len` tokens; never more than `token_budget` tokens per step.
+5. `build_step(samples, rows, row_len)`: the packed tensors (input_ids, loss_mask, doc_ids with -1 on pad,
+   position_ids restarting at 0 for every document); `target_features(...)` runs the target once per
+   document (right-padded batch, causal, so no document sees another) and packs the features alongside.
+
+Anchors are NOT chosen here: the objective re-draws them every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+# Normalised roles -> the spellings accepted in each format.
+_ROLE_ALIASES = {
+    "system": "system",
+    "developer": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+}
+
+
+class DataError(ValueError):
+    """The data as a whole is unusable (missing file, nothing left after filtering); says how to fix."""
+
+
+class BadRecord(ValueError):
+    """One record is unusable; `reason` is a short category used for counting."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class SkipReport:
+    """Counts of skipped records by reason, with the first few locations of each.
+
+    Attributes:
+        counts: reason -> number of records skipped for it.
+        where: reason -> up to `max_examples` strings "file:line: detail".
+    """
+
+    counts: Counter = field(default_factory=Counter)
+    where: dict[str, list[str]] = field(default_factory=dict)
+    max_examples: int = 5
+
+    def add(self, source: str, err: BadRecord) -> None:
+        self.counts[err.reason] += 1
+        lst = self.where.setdefault(err.reason, [])
+        if len(lst) < self.max_examples:
+            lst.append(f"{source}: {err.detail}" if err.detail else source)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> str:
+        """Human lines: one per reason, with its first locations."""
+        if not self.total:
+            return "no records skipped"
+        lines = [f"skipped {self.total} record(s):"]
+        for reason, n in self.counts.most_common():
+            lines.append(f"  {n} x {reason}, e.g. " + "; ".join(self.where.get(reason, [])))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "counts": dict(self.counts), "where": self.where}
+
+
+@dataclass
+class Conversation:
+    """Normalised messages [{role: system|user|assistant, content: str}] and where they came from."""
+
+    messages: list[dict[str, str]]
+    source: str
+
+
+@dataclass
+class Sample:
+    """One tokenised conversation.
+
+    Attributes:
+        input_ids: token ids of the whole templated conversation.
+        loss_mask: 1 where the token belongs to an assistant turn, else 0 (same length).
+        source: "file:line" of the record.
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+# -- 1. parsing ------------------------------------------------------------------------------------
+def _content_text(content: Any) -> str:
+    # OpenAI content may be a list of parts; only text parts are meaningful to a text drafter.
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise BadRecord("non-text content", f"content part {str(part)[:40]!r} is not a text part")
+        return "".join(texts)
+    raise BadRecord("bad message", f"content is {type(content).__name__}, expected a string")
+
+
+def normalize_record(obj: Any) -> list[dict[str, str]]:
+    """One parsed JSON record -> normalised messages.
+
+    Accepts `{"conversations": [{"from": .., "value": ..}]}` (ShareGPT) or `{"messages": [{"role": ..,
+    "content": ..}]}` (OpenAI); in either list, either key spelling per message.
+
+    Raises:
+        BadRecord: not an object, no message list, a message without role/content, an unknown role,
+            or no assistant turn with text.
+    """
+    if not isinstance(obj, dict):
+        raise BadRecord("not an object", f"record is a JSON {type(obj).__name__}")
+    msgs = obj.get("conversations", obj.get("messages"))
+    if msgs is None:
+        raise BadRecord("no messages", "record has neither `conversations` nor `messages`")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRecord("no messages", "`conversations`/`messages` is not a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadRecord("bad message", f"message {i} is not an object")
+        role = m.get("role", m.get("from"))
+        if not isinstance(role, str):
+            raise BadRecord("bad message", f"message {i} has no `role`/`from`")
+        norm = _ROLE_ALIASES.get(role.strip().lower())
+        if norm is None:
+            raise BadRecord("unknown role", f"message {i} has role {role!r} (known: {', '.join(sorted(_ROLE_ALIASES))})")
+        content = m.get("content", m.get("value"))
+        if content is None:
+            raise BadRecord("bad message", f"message {i} has no `content`/`value`")
+        out.append({"role": norm, "content": _content_text(content)})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
+        raise BadRecord("no assistant turn", "no assistant message with text")
+    return out
+
+
+def read_conversations(paths: Iterable[str | Path], report: SkipReport | None = None) -> list[Conversation]:
+    """Read jsonl files of conversations; skip (and count) bad lines.
+
+    Args:
+        paths: jsonl files, one record per line; blank lines are ignored.
+        report: where skipped records are counted (a fresh one if None; pass one to see it).
+
+    Returns:
+        The usable conversations, in file order.
+
+    Raises:
+        DataError: a file does not exist.
+    """
+    report = report if report is not None else SkipReport()
+    out = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"{p}: no such data file (check data.train_files / data.eval_files in the config)")
+        with open(p, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                source = f"{p}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    report.add(source, BadRecord("bad JSON", str(exc)))
+                    continue
+                try:
+                    out.append(Conversation(normalize_record(obj), source))
+                except BadRecord as err:
+                    report.add(source, err)
+    return out
+
+
+# -- 2. regeneration -------------------------------------------------------------------------------
+def _hf_model(target: Any) -> Any:
+    """The HF causal LM behind `target` (a bare HF model, or a wrapper holding one)."""
+    if hasattr(target, "generate"):
+        return target
+    for name in ("hf_model", "model"):
+        inner = getattr(target, name, None)
+        if inner is not None and hasattr(inner, "generate"):
+            return inner
+    raise TypeError(f"{type(target).__name__} has no `generate` and wraps no HF model (hf_model / model)")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return ids
+
+
+@torch.no_grad()
+def greedy_generate(
+    target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int, batch_size: int = 32
+) -> list[list[int]]:
+    """Greedy continuations of token prompts, cut at the first end-of-sequence token (excluded).
+
+    Batches are left-padded (with an attention mask) and sorted by length so padding stays small.
+
+    Returns:
+        One list of new token ids per prompt, in the input order.
+    """
+    model = _hf_model(target)
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        att = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            n = len(prompts[i])
+            ids[r, width - n :] = torch.tensor(list(prompts[i]), dtype=torch.long)
+            att[r, width - n :] = 1
+        gen = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=att.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            eos_token_id=sorted(eos_ids) or None,
+        )
+        for r, i in enumerate(idx):
+            new = gen[r, width:].tolist()
+            cut = next((k for k, t in enumerate(new) if t in eos_ids), len(new))
+            out[i] = new[:cut]
+    return out
+
+
+def regenerate(
+    target: Any,
+    tokenizer: Any,
+    conversations: Sequence[Conversation],
+    max_new_tokens: int,
+    *,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    batch_size: int = 32,
+) -> list[Conversation]:
+    """Replace every assistant turn with the target's own greedy output (reference §2.1).
+
+    Turns are regenerated in order, each conditioned on the already regenerated earlier turns, so a
+    multi-turn conversation stays one the target would have produced. The text is decoded WITHOUT
+    dropping special tokens (only the end-of-turn is cut), so re-templating gives back the same tokens.
+
+    Args:
+        target: an HF causal LM, or a wrapper with `.hf_model` / `.model`.
+        tokenizer: the target's tokenizer (with a chat template and a pad or eos token).
+        conversations: the conversations (their assistant texts are only placeholders).
+        max_new_tokens: cap per assistant turn.
+        chat_template_kwargs: passed to apply_chat_template (e.g. {"enable_thinking": False}).
+        batch_size: prompts generated together.
+
+    Returns:
+        New Conversation objects (the inputs are not modified). A turn that regenerates to empty text
+        keeps its conversation; `tokenize` then skips it if nothing is left to supervise.
+    """
+    kw = dict(chat_template_kwargs or {})
+    model = _hf_model(target)
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    convs = [Conversation([dict(m) for m in c.messages], c.source) for c in conversations]
+    max_turns = max((sum(m["role"] == "assistant" for m in c.messages) for c in convs), default=0)
+    for turn in range(max_turns):
+        jobs = []  # (conversation index, message index)
+        for ci, c in enumerate(convs):
+            seen = -1
+            for mi, m in enumerate(c.messages):
+                if m["role"] == "assistant":
+                    seen += 1
+                    if seen == turn:
+                        jobs.append((ci, mi))
+                        break
+        prompts = [
+            tokenizer.apply_chat_template(convs[ci].messages[:mi], add_generation_prompt=True, tokenize=False, **kw)
+            for ci, mi in jobs
+        ]
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        new = greedy_generate(model, prompt_ids, max_new_tokens, eos, pad, batch_size=batch_size)
+        for (ci, mi), toks in zip(jobs, new):
+            convs[ci].messages[mi]["content"] = tokenizer.decode(toks, skip_special_tokens=False)
+    return convs
+
+
+# -- 3. tokenisation -------------------------------------------------------------------------------
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def tokenize_conversation(
+    tokenizer: Any, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+) -> tuple[list[int], list[int]]:
+    """Template one conversation; mark the tokens of assistant turns.
+
+    How the assistant spans are found without template-specific markup: for assistant message i, the
+    text rendered for messages[:i] + the generation prompt and the text rendered for messages[:i+1] share
+    a prefix; what follows it in the latter is that turn (content + end-of-turn). The whole conversation
+    must start with each such partial rendering (templates that rewrite history are refused). Tokens are
+    then assigned to spans by their character offsets.
+
+    Returns:
+        (input_ids, loss_mask).
+
+    Raises:
+        BadRecord: the template is not prefix-stable for this conversation, or the tokenizer has no offsets.
+    """
+    kw = dict(chat_template_kwargs or {})
+    full = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False, **kw) if i else ""
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **kw)
+        if not full.startswith(upto):
+            raise BadRecord("template not prefix-stable", f"rendering of turn {i} is not a prefix of the whole")
+        spans.append((_common_prefix_len(before, upto), len(upto)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    offsets = enc.get("offset_mapping")
+    if offsets is None:
+        raise BadRecord("tokenizer has no offsets", "use a fast tokenizer (PreTrainedTokenizerFast)")
+    mask = []
+    for start, end in offsets:
+        # A token belongs to a turn if its first character does; zero-width tokens use their position.
+        mask.append(int(any(s <= start < e for s, e in spans)))
+    return ids, mask
+
+
+def tokenize(
+    conversations: Sequence[Conversation],
+    tokenizer: Any,
+    max_len: int,
+    report: SkipReport | None = None,
+    *,
+    min_supervised: int = 2,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[Sample]:
+    """Tokenise conversations; skip (and count) over-long or nearly unsupervised ones.
+
+    Args:
+        max_len: longer samples are skipped (never truncated: a cut response teaches a wrong ending).
+        min_supervised: fewer assistant tokens than this leaves no anchor with a label; skipped.
+
+    Returns:
+        The samples, in input order.
+    """
+    report = report if report is not None else SkipReport()
+    out = []
+    for c in conversations:
+        try:
+            ids, mask = tokenize_conversation(tokenizer, c.messages, chat_template_kwargs)
+            if len(ids) > max_len:
+                raise BadRecord("over-long", f"{len(ids)} tokens > data.max_len {max_len}")
+            if sum(mask) < min_supervised:
+                raise BadRecord("too few assistant tokens", f"{sum(mask)} < {min_supervised}")
+        except BadRecord as err:
+            report.add(c.source, err)
+            continue
+        out.append(Sample(ids, mask, c.source))
+    return out
+
+
+def save_samples(samples: Sequence[Sample], path: str | Path) -> None:
+    """Write tokenised samples as jsonl (temp file + rename: never half-written)."""
+    p = Path(path)
+    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "source": s.source}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    """Inverse of `save_samples`."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                d = json.loads(line)
+                out.append(Sample(d["input_ids"], d["loss_mask"], d.get("source", "")))
+    return out
+
+
+# -- 4. packing plan -------------------------------------------------------------------------------
+def plan_epoch(
+    lengths: Sequence[int], row_len: int, rows_per_step: int, token_budget: int, seed: int, epoch: int
+) -> list[list[list[int]]]:
+    """Pack documents into steps of rows: steps[s][r] = sample indices in row r of step s.
+
+    The order is a permutation drawn from (seed, epoch), so every epoch sees a new order and a resumed
+    run can rebuild the exact plan. Within a step, documents go first-fit into at most `rows_per_step`
+    rows; a document that fits no open row closes the step.
+
+    Raises:
+        DataError: the budget cannot hold rows_per_step rows, or a document is longer than a row.
+    """
+    if rows_per_step * row_len > token_budget:
+        raise DataError(
+            f"{rows_per_step} rows x {row_len} tokens = {rows_per_step * row_len} exceeds token_budget {token_budget}; "
+            "lower data.max_batch_size or data.max_len, or raise data.token_budget"
+        )
+    for i, n in enumerate(lengths):
+        if n > row_len:
+            raise DataError(f"sample {i} has {n} tokens, longer than a packed row ({row_len}); filter with max_len first")
+    order = list(range(len(lengths)))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    steps: list[list[list[int]]] = []
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        n = lengths[i]
+        r = next((k for k, u in enumerate(used) if u + n <= row_len), None)
+        if r is None and len(rows) == rows_per_step:
+            steps.append(rows)
+            rows, used = [], []
+        if r is None:
+            rows.append([])
+            used.append(0)
+            r = len(rows) - 1
+        rows[r].append(i)
+        used[r] += n
+    if rows:
+        steps.append(rows)
+    return steps
+
+
+# -- 5. packed tensors -----------------------------------------------------------------------------
+@dataclass
+class PackedRows:
+    """The packed token tensors of one step (features are added by `target_features`).
+
+    Attributes:
+        input_ids, loss_mask, doc_ids, position_ids: [R, L] long. doc_ids is the sample index of the
+            token's document, -1 on padding; position_ids restart at 0 for every document (0 on padding).
+        placements: (row, start, sample index) of every document, for scattering per-document features.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    doc_ids: torch.Tensor
+    position_ids: torch.Tensor
+    placements: list[tuple[int, int, int]]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens in the step."""
+        return int((self.doc_ids >= 0).sum())
+
+
+def build_step(samples: Sequence[Sample], rows: Sequence[Sequence[int]], row_len: int, pad_id: int = 0) -> PackedRows:
+    """Lay the documents of one step out in [len(rows), row_len] tensors.
+
+    Args:
+        samples: all samples; rows hold indices into it.
+        rows: the step's rows (from `plan_epoch`).
+        row_len: tokens per row.
+        pad_id: token id on padding (never supervised: loss_mask 0, doc_ids -1).
+    """
+    R = len(rows)
+    input_ids = torch.full((R, row_len), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((R, row_len), dtype=torch.long)
+    doc_ids = torch.full((R, row_len), -1, dtype=torch.long)
+    position_ids = torch.zeros((R, row_len), dtype=torch.long)
+    placements = []
+    for r, row in enumerate(rows):
+        pos = 0
+        for i in row:
+            s = samples[i]
+            n = len(s)
+            if pos + n > row_len:
+                raise DataError(f"row {r} overflows: documents need more than {row_len} tokens")
+            input_ids[r, pos : pos + n] = torch.tensor(s.input_ids, dtype=torch.long)
+            loss_mask[r, pos : pos + n] = torch.tensor(s.loss_mask, dtype=torch.long)
+            doc_ids[r, pos : pos + n] = i
+            position_ids[r, pos : pos + n] = torch.arange(n)
+            placements.append((r, pos, i))
+            pos += n
+    return PackedRows(input_ids, loss_mask, doc_ids, position_ids, placements)
+
+
+@torch.no_grad()
+def target_features(
+    target: Any, samples: Sequence[Sample], packed: PackedRows, *, max_batch_tokens: int = 65536
+) -> torch.Tensor:
+    """Target features for a packed step, computed per document (no cross-document attention).
+
+    Documents are run as a right-padded batch: the target is causal, so padding after a document cannot
+    change that document's features. Batches are capped at `max_batch_tokens` padded tokens.
+
+    Args:
+        target: has `.features(input_ids[B, S]) -> [B, S, F]`.
+
+    Returns:
+        [R, L, F] features, zero on padding, on the target's output device and dtype.
+    """
+    R, L = packed.input_ids.shape
+    docs = sorted(packed.placements, key=lambda p: len(samples[p[2]]))
+    out = None
+    b = 0
+    while b < len(docs):
+        # Greedy batch of similar lengths (sorted) under the padded-token cap.
+        e = b + 1
+        while e < len(docs) and (e + 1 - b) * len(samples[docs[e][2]]) <= max_batch_tokens:
+            e += 1
+        batch = docs[b:e]
+        width = len(samples[batch[-1][2]])
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        for k, (_, _, i) in enumerate(batch):
+            ids[k, : len(samples[i])] = torch.tensor(samples[i].input_ids, dtype=torch.long)
+        device = getattr(target, "device", None)
+        feats = target.features(ids.to(device) if device is not None else ids)  # [B, width, F]
+        if out is None:
+            out = torch.zeros((R, L, feats.shape[-1]), dtype=feats.dtype, device=feats.device)
+        for k, (r, start, i) in enumerate(batch):
+            n = len(samples[i])
+            out[r, start : start + n] = feats[k, :n]
+        b = e
+    if out is None:
+        raise DataError("a step with no documents: nothing to compute features for")
+    return out
