@@ -429,13 +429,21 @@ def load_samples(path: str | Path) -> list[Sample]:
 
 # -- 4. packing plan -------------------------------------------------------------------------------
 def plan_epoch(
-    lengths: Sequence[int], row_len: int, rows_per_step: int, token_budget: int, seed: int, epoch: int
+    lengths: Sequence[int],
+    row_len: int,
+    rows_per_step: int,
+    token_budget: int,
+    seed: int,
+    epoch: int,
+    *,
+    lookahead: int = 32,
 ) -> list[list[list[int]]]:
     """Pack documents into steps of rows: steps[s][r] = sample indices in row r of step s.
 
     The order is a permutation drawn from (seed, epoch), so every epoch sees a new order and a resumed
     run can rebuild the exact plan. Within a step, documents go first-fit into at most `rows_per_step`
-    rows; a document that fits no open row closes the step.
+    rows. A document that fits nowhere waits for the next step (which starts with the waiting ones);
+    the step closes once `lookahead` documents wait, so later short documents can fill the gaps.
 
     Raises:
         DataError: the budget cannot hold rows_per_step rows, or a document is longer than a row.
@@ -451,22 +459,28 @@ def plan_epoch(
     order = list(range(len(lengths)))
     random.Random(f"{seed}:{epoch}").shuffle(order)
     steps: list[list[list[int]]] = []
-    rows: list[list[int]] = []
-    used: list[int] = []
-    for i in order:
-        n = lengths[i]
-        r = next((k for k, u in enumerate(used) if u + n <= row_len), None)
-        if r is None and len(rows) == rows_per_step:
-            steps.append(rows)
-            rows, used = [], []
-        if r is None:
-            rows.append([])
-            used.append(0)
-            r = len(rows) - 1
-        rows[r].append(i)
-        used[r] += n
-    if rows:
+    queue = order
+    while queue:
+        rows: list[list[int]] = []
+        used: list[int] = []
+        waiting: list[int] = []
+        k = 0
+        while k < len(queue) and len(waiting) < lookahead:
+            i = queue[k]
+            k += 1
+            n = lengths[i]
+            r = next((j for j, u in enumerate(used) if u + n <= row_len), None)
+            if r is None and len(rows) < rows_per_step:
+                rows.append([])
+                used.append(0)
+                r = len(rows) - 1
+            if r is None:
+                waiting.append(i)
+                continue
+            rows[r].append(i)
+            used[r] += n
         steps.append(rows)
+        queue = waiting + queue[k:]
     return steps
 
 
