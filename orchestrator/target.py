@@ -209,3 +209,67 @@ class ContainerTarget(BaseTarget):
 
     def run(self, argv: list[str], **kw) -> Result:
         return self.transport.run(self.wrap(list(argv)), **kw)
+
+
+# ------------------------------------------------------------------------------------ factory
+
+
+def open_target(inv, name: str) -> BaseTarget:
+    """Build the Target named `name` in the inventory `inv`.
+
+    A local target gets its workdir expanded and created, and the venv profile's interpreter (the
+    workstation's own, `sys.executable`, for kind `workstation`; `<workdir>/venvs/current/bin/python` once a
+    uv venv exists). A container target gets `PctTransport(SSHTransport(host...), ctid)`; ssh and pct are
+    imported here, lazily, so the CLI's `--help` never loads paramiko.
+
+    Args:
+        inv: an `orchestrator.inventory.Inventory`.
+        name: the target's key under `targets:`.
+    Returns:
+        A LocalTarget or ContainerTarget (close it when done: it may hold an SSH connection).
+    Raises:
+        UserError / InventoryError: unsafe or unknown name (with a suggestion), or a local workdir that
+            cannot be created.
+    """
+    import os
+    from pathlib import Path
+
+    from orchestrator.errors import UserError
+    from orchestrator.inventory import ContainerTargetSpec, UvVenv
+
+    spec = inv.target(name)
+    if isinstance(spec, ContainerTargetSpec):
+        host = inv.host(spec.host)
+        from orchestrator.transport.pct import PctTransport
+        from orchestrator.transport.ssh import SSHTransport
+
+        # `ssh` is either an ~/.ssh/config alias or a plain hostname; handing it as both lets the SSH layer
+        # apply any matching ~/.ssh/config block (as `ssh NAME` would), with explicit fields overriding it.
+        ssh = SSHTransport(
+            host.ssh,
+            port=host.port or 22,
+            user=host.user,
+            identity_file=os.path.expanduser(host.identity_file) if host.identity_file else None,
+            known_hosts=os.path.expanduser(host.known_hosts) if host.known_hosts else None,
+            ssh_config_alias=host.ssh,
+        )
+        transport = PctTransport(ssh, spec.ctid, pct=host.pct, sudo=host.sudo)
+        return ContainerTarget(name=name, workdir=spec.workdir, transport=transport, home=spec.home)
+
+    workdir = spec.resolved_workdir()
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"cannot create the workdir {str(workdir)!r} of target {name!r}: {exc}",
+            fix=f"fix targets.{name}.workdir in {inv.source}",
+        ) from None
+    python = sys.executable
+    profile = inv.venv(spec.venv)
+    if isinstance(profile, UvVenv):
+        venv_python = Path(workdir) / "venvs" / "current" / "bin" / "python"
+        if venv_python.exists():
+            python = str(venv_python)
+    from orchestrator.transport.local import LocalTransport
+
+    return LocalTarget(name=name, workdir=str(workdir), transport=LocalTransport(), python=python)

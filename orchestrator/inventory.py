@@ -1,0 +1,623 @@
+"""inventory.yaml: hosts, targets, venv profiles, experiments, as pydantic models.
+
+Every error points at the file, the line and the key path, in one readable InventoryError, e.g.
+
+    inventory.yaml:12: experiments.tiny.layuot: unknown key; did you mean 'layout'?
+
+Lookup order (first that exists wins): `--inventory PATH`, `$DFLASHCTL_INVENTORY`, `./inventory.yaml`, the
+user config dir (`<platformdirs user_config_dir>/dflashctl/inventory.yaml`), the embedded default shipped
+in this package (`orchestrator/default_inventory.yaml`, the same text as the repository's inventory.yaml).
+
+Every name that can reach a shell or a path (host, target, venv, experiment keys; tags, sessions, run ids
+given on the command line) must match `SAFE_NAME`: no slashes, no `..`, no shell metacharacters.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import typing
+from collections.abc import Iterable
+from importlib import resources
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from orchestrator.errors import InventoryError, UserError
+from trainer.config import TrainConfig
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ENV_VAR = "DFLASHCTL_INVENTORY"
+EMBEDDED = "<embedded default inventory>"
+DEFAULT_RESOURCE = "default_inventory.yaml"
+
+
+def check_name(kind: str, value: str) -> str:
+    """Return `value` if it is a safe name for a `kind` (experiment, target, tag, session, run id, venv ...).
+
+    Raises:
+        UserError: the name is empty, too long, has a slash, `..`, or any character outside [A-Za-z0-9._-].
+    """
+    if not isinstance(value, str) or not SAFE_NAME.match(value) or ".." in value:
+        raise UserError(
+            f"bad {kind} name {value!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a letter "
+            "or digit, no '..' and no slashes",
+            fix=f"pick a {kind} name like 'exp-1' or 'run_2'",
+        )
+    return value
+
+
+def suggest(word: str, choices: Iterable[str]) -> str | None:
+    """The closest of `choices` to `word` (difflib), or None when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class HostSpec(_Strict):
+    """A Proxmox VE host reached by SSH."""
+
+    ssh: str
+    """An `~/.ssh/config` alias, or a hostname / IP address."""
+    port: int | None = Field(None, ge=1, le=65535)
+    """SSH port (default: from ~/.ssh/config, else 22)."""
+    user: str | None = None
+    """SSH user (default: from ~/.ssh/config, else the local user). Not root: set `sudo: true`."""
+    identity_file: str | None = None
+    """Private key file (default: ssh-agent and the usual ~/.ssh/id_* keys)."""
+    known_hosts: str | None = None
+    """known_hosts file to trust and record keys in (default: ~/.ssh/known_hosts)."""
+    pct: str = "pct"
+    """The pct command on the host (an absolute path if the login PATH lacks /usr/sbin)."""
+    sudo: bool = False
+    """Run pct through `sudo -n` (for a non-root user with passwordless sudo for pct)."""
+
+
+class LocalTargetSpec(_Strict):
+    """A directory on this machine; the agent runs with the venv profile's interpreter."""
+
+    kind: Literal["local"]
+    """`local`: runs here, no SSH, no Proxmox."""
+    workdir: str | None = None
+    """Working directory (`~` and $VARS expanded; created on use). Default: the user data dir."""
+    venv: str = "workstation"
+    """Venv profile name (key of `venvs:`)."""
+
+    def resolved_workdir(self) -> Path:
+        """The workdir with `~` and $VARS expanded; the platformdirs user data dir when not set."""
+        if self.workdir:
+            return Path(os.path.expandvars(os.path.expanduser(self.workdir)))
+        import platformdirs
+
+        return Path(platformdirs.user_data_dir("dflashctl")) / "local"
+
+
+class ContainerTargetSpec(_Strict):
+    """An LXC container on a Proxmox host, reached as `ssh HOST pct exec CTID -- ...`."""
+
+    kind: Literal["container"]
+    """`container`: an LXC container on a Proxmox host."""
+    host: str
+    """Host name (key of `hosts:`)."""
+    ctid: int = Field(ge=100, le=999_999_999)
+    """Container id (Proxmox VMIDs start at 100)."""
+    workdir: str = "/root/dflash"
+    """Absolute working directory inside the container (runs/, venvs/, bundle/, uv-cache/)."""
+    venv: str = "cuda"
+    """Venv profile name (key of `venvs:`)."""
+    gpu_idle_mib: int = Field(1024, ge=0)
+    """A GPU using less memory than this (MiB) counts as idle for launch preflight."""
+    home: str = "/root"
+    """HOME inside the container (pct does not set it)."""
+
+
+TargetSpec = Annotated[Union[LocalTargetSpec, ContainerTargetSpec], Field(discriminator="kind")]
+
+
+class WorkstationVenv(_Strict):
+    """The workstation's own interpreter (sys.executable); for the local target only."""
+
+    kind: Literal["workstation"]
+    """`workstation`: use the interpreter running dflashctl."""
+
+
+class UvVenv(_Strict):
+    """A venv built by uv from a lock, inside the target (`<workdir>/venvs/<lock-hash>-<time>/`)."""
+
+    kind: Literal["uv"]
+    """`uv`: built with `uv venv` + `uv pip sync` from the lock."""
+    python: str = "3.11"
+    """Python version uv provides for the venv."""
+    lock: str = "cuda"
+    """`cpu`, `cuda` (locks shipped in templates/locks/) or a path to a requirements lock file."""
+    uv_cache_dir: str | None = None
+    """uv cache directory inside the target (default `<workdir>/uv-cache`)."""
+    find_links: list[str] = []
+    """Extra `--find-links` locations (wheel directories or URLs)."""
+    index_url: str | None = None
+    """Replaces the default package index (`--index-url`)."""
+    extra_index_urls: list[str] = []
+    """Extra indexes (`--extra-index-url`), e.g. the PyTorch CUDA index."""
+    keep: int = Field(3, ge=1)
+    """Old venvs kept for `rebuild-venv --rollback`."""
+
+
+VenvSpec = Annotated[Union[WorkstationVenv, UvVenv], Field(discriminator="kind")]
+
+
+class Layout(_Strict):
+    """Which GPUs (nvidia-smi indexes in the container) run the frozen target and which train the drafter."""
+
+    target_gpus: list[Annotated[int, Field(ge=0)]] = []
+    """GPUs running the frozen target model (one process each)."""
+    drafter_gpus: list[Annotated[int, Field(ge=0)]] = []
+    """GPUs training the drafter (one DDP process each). Both empty: one colocated CPU process."""
+
+    @property
+    def colocated(self) -> bool:
+        """True for the CPU layout: no GPUs, target and drafter in one process."""
+        return not self.target_gpus and not self.drafter_gpus
+
+    @property
+    def gpus(self) -> list[int]:
+        """All GPUs of the layout, target first."""
+        return [*self.target_gpus, *self.drafter_gpus]
+
+
+class DflashExperiment(_Strict):
+    """Train a DFlash drafter with the bundled trainer."""
+
+    kind: Literal["dflash"]
+    """`dflash`: the bundled trainer (`python -m trainer train`)."""
+    target: str
+    """Target name (key of `targets:`)."""
+    venv: str | None = None
+    """Venv profile (default: the target's)."""
+    layout: Layout = Layout()
+    """GPU layout; empty lists: colocated on the CPU."""
+    trainer: TrainConfig = TrainConfig()
+    """The trainer config (trainer/config.py TrainConfig); written to runs/<id>/config.json."""
+
+    @property
+    def gpus(self) -> list[int]:
+        """Every GPU the experiment occupies."""
+        return self.layout.gpus
+
+
+class CommandExperiment(_Strict):
+    """Any training command (bring your own trainer), run in tmux with the same run directory."""
+
+    kind: Literal["command"]
+    """`command`: run `command` as given."""
+    target: str
+    """Target name (key of `targets:`)."""
+    venv: str | None = None
+    """Venv profile (default: the target's)."""
+    command: list[str] = Field(min_length=1)
+    """The argv to run (no shell; use ["bash", "-c", "..."] for one)."""
+    gpus: list[Annotated[int, Field(ge=0)]] = []
+    """GPUs it uses (sets CUDA_VISIBLE_DEVICES; checked idle before launch)."""
+    env: dict[str, str] = {}
+    """Extra environment variables."""
+
+
+ExperimentSpec = Annotated[Union[DflashExperiment, CommandExperiment], Field(discriminator="kind")]
+
+
+class Notify(_Strict):
+    """Where the follower reports a finished or crashed run."""
+
+    webhook: str | None = None
+    """URL that receives a JSON POST."""
+    command: list[str] | None = None
+    """argv run on the workstation with the event as JSON on stdin."""
+
+
+class Monitor(_Strict):
+    """Thresholds of the log follower's health checks."""
+
+    regression_fraction: float = Field(0.7, gt=0, le=1)
+    """Flag tokens/s below this fraction of the last good run."""
+    regression_seconds: float = Field(300, gt=0)
+    """...sustained for this long."""
+    hang_seconds: float = Field(600, gt=0)
+    """A live session whose log is silent this long is a hang."""
+    memory_growth_seconds: float = Field(600, gt=0)
+    """Window over which steady memory growth is flagged."""
+
+
+class Inventory(_Strict):
+    """The whole inventory.yaml."""
+
+    hosts: dict[str, HostSpec] = {}
+    """Proxmox hosts by name."""
+    targets: dict[str, TargetSpec] = {}
+    """Targets (local directories or containers) by name."""
+    venvs: dict[str, VenvSpec] = {}
+    """Venv profiles by name."""
+    experiments: dict[str, ExperimentSpec] = {}
+    """Experiments by name."""
+    notify: Notify = Notify()
+    """Notifications."""
+    signatures: list[dict[str, Any]] = []
+    """Extra crash-signature catalogue entries (same shape as templates/signatures.yaml)."""
+    monitor: Monitor = Monitor()
+    """Follower thresholds."""
+
+    _source: str = PrivateAttr(default=EMBEDDED)
+    _lines: dict = PrivateAttr(default_factory=dict)
+
+    @property
+    def source(self) -> str:
+        """The file this inventory came from (or EMBEDDED)."""
+        return self._source
+
+    def line_of(self, *path: str | int) -> int | None:
+        """Line (1-based) of a key path in the source file, e.g. line_of("experiments", "tiny")."""
+        return self._lines.get(tuple(str(p) for p in path))
+
+    def _lookup(self, kind: str, table: dict, name: str, fix_cmd: str):
+        check_name(kind, name)
+        if name in table:
+            return table[name]
+        close = suggest(name, table)
+        hint = f"; did you mean {close!r}?" if close else ""
+        known = ", ".join(sorted(table)) or "none"
+        raise InventoryError(
+            f"no {kind} {name!r} in {self._source}{hint} (known: {known})",
+            fix=f"{fix_cmd} {close}" if close else f"add it under `{kind}s:` in {self._source}",
+        )
+
+    def experiment(self, name: str) -> DflashExperiment | CommandExperiment:
+        """The experiment `name`.
+
+        Raises:
+            UserError: unsafe name. InventoryError: unknown (with the closest name as a suggestion).
+        """
+        return self._lookup("experiment", self.experiments, name, "dflashctl launch")
+
+    def target(self, name: str) -> LocalTargetSpec | ContainerTargetSpec:
+        """The target `name` (raises like `experiment`)."""
+        return self._lookup("target", self.targets, name, "--target")
+
+    def venv(self, name: str) -> WorkstationVenv | UvVenv:
+        """The venv profile `name` (raises like `experiment`)."""
+        return self._lookup("venv", self.venvs, name, "--profile")
+
+    def host(self, name: str) -> HostSpec:
+        """The host `name` (raises like `experiment`)."""
+        return self._lookup("host", self.hosts, name, "dflashctl trust")
+
+    def venv_for(self, experiment: str) -> tuple[str, WorkstationVenv | UvVenv]:
+        """(profile name, profile) of an experiment: its own `venv`, else its target's."""
+        exp = self.experiment(experiment)
+        name = exp.venv or self.target(exp.target).venv
+        return name, self.venv(name)
+
+    def default_target(self) -> str:
+        """The target used when no --target is given: `local` if present, else the only/first one."""
+        if "local" in self.targets:
+            return "local"
+        if self.targets:
+            return next(iter(self.targets))
+        raise InventoryError(f"{self._source} defines no targets", fix="add a `targets:` section")
+
+
+# ------------------------------------------------------------------------------------ yaml with lines
+
+
+class _LineLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses duplicate keys (a silent override hides typos)."""
+
+
+def _compose(text: str, source: str):
+    loader = _LineLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = " ".join(p for p in (exc.context, exc.problem) if p)
+        raise InventoryError(f"{where}: YAML syntax error: {problem}", fix="fix the YAML at that line") from None
+    except yaml.YAMLError as exc:
+        raise InventoryError(f"{source}: YAML error: {exc}") from None
+    finally:
+        loader.dispose()
+    return node, data
+
+
+def _index_lines(node, source: str) -> dict[tuple[str, ...], int]:
+    """Map every key path (as strings) to the 1-based line of its key; refuse duplicate keys."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(n, path: tuple[str, ...]) -> None:
+        if isinstance(n, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in n.value:
+                key = str(k.value)
+                line = k.start_mark.line + 1
+                if key in seen:
+                    dotted = ".".join((*path, key))
+                    raise InventoryError(
+                        f"{source}:{line}: {dotted}: duplicate key (first at line {seen[key]})",
+                        fix="remove one of the two",
+                    )
+                seen[key] = line
+                lines[(*path, key)] = line
+                walk(v, (*path, key))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                lines[(*path, str(i))] = v.start_mark.line + 1
+                walk(v, (*path, str(i)))
+
+    if node is not None:
+        lines[()] = node.start_mark.line + 1
+        walk(node, ())
+    return lines
+
+
+# ------------------------------------------------------------------------------------ error mapping
+
+
+def _data_path(raw: Any, loc: tuple) -> tuple[list[str], list[str]]:
+    """Split a pydantic loc into the path in the YAML data and the discriminator tags it passed through.
+
+    Pydantic inserts the union tag (e.g. 'container') into locs of discriminated unions; the YAML has no
+    such key, so it is dropped from the path shown to the user.
+    """
+    path: list[str] = []
+    tags: list[str] = []
+    cur = raw
+    for comp in loc:
+        if isinstance(cur, dict) and comp in cur:
+            cur = cur[comp]
+            path.append(str(comp))
+        elif isinstance(cur, dict) and isinstance(comp, str) and cur.get("kind") == comp:
+            tags.append(comp)
+        elif isinstance(cur, list) and isinstance(comp, int) and 0 <= comp < len(cur):
+            cur = cur[comp]
+            path.append(str(comp))
+        else:
+            path.append(str(comp))
+            cur = None
+    return path, tags
+
+
+def _model_at(path: list[str], tags: list[str]):
+    """The pydantic model class that owns the last key of `path` (for 'did you mean' on unknown keys)."""
+    tp: Any = Inventory
+    tag_iter = iter(tags)
+    for comp in path[:-1]:
+        tp = _unwrap(tp, tag_iter)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = tp.model_fields.get(comp)
+            if field is None:
+                return None
+            tp = field.annotation
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        elif typing.get_origin(tp) is list:
+            tp = typing.get_args(tp)[0]
+        else:
+            return None
+    tp = _unwrap(tp, tag_iter)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _unwrap(tp: Any, tags) -> Any:
+    """Strip Annotated/Optional; pick the union member whose `kind` literal is the next tag."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is Annotated:
+            tp = typing.get_args(tp)[0]
+            continue
+        if origin is Union or str(origin) == "types.UnionType":
+            members = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(members) == 1:
+                tp = members[0]
+                continue
+            tag = next(tags, None)
+            for m in members:
+                kind = getattr(m, "model_fields", {}).get("kind")
+                if kind is not None and tag in typing.get_args(kind.annotation):
+                    tp = m
+                    break
+            else:
+                return None
+            continue
+        return tp
+
+
+def _line_for(lines: dict, path: list[str]) -> int | None:
+    """Line of the deepest prefix of `path` that exists in the file (a missing key: its parent's line)."""
+    for n in range(len(path), -1, -1):
+        line = lines.get(tuple(path[:n]))
+        if line is not None:
+            return line
+    return None
+
+
+def _format_errors(exc: ValidationError, raw: Any, lines: dict, source: str) -> list[str]:
+    out = []
+    for err in exc.errors():
+        path, tags = _data_path(raw, tuple(err["loc"]))
+        line = _line_for(lines, path)
+        where = f"{source}:{line}" if line else source
+        dotted = ".".join(path) or "(top level)"
+        etype = err["type"]
+        if etype == "extra_forbidden":
+            model = _model_at(path, tags)
+            fields = [f for f in (model.model_fields if model else {})]
+            close = suggest(path[-1], fields) if path else None
+            msg = "unknown key" + (f"; did you mean {close!r}?" if close else "")
+            if fields and not close:
+                msg += f" (allowed: {', '.join(fields)})"
+        elif etype == "missing":
+            msg = "required key is missing"
+        elif etype == "union_tag_invalid":
+            ctx = err.get("ctx", {})
+            msg = f"unknown kind {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
+        elif etype == "union_tag_not_found":
+            msg = "missing `kind:` (what sort of entry this is)"
+        else:
+            msg = err["msg"]
+            if "input" in err and not isinstance(err["input"], (dict, list)):
+                msg += f" (got {err['input']!r})"
+        out.append(f"{where}: {dotted}: {msg}")
+    return out
+
+
+# ------------------------------------------------------------------------------------ references
+
+
+def _check_references(inv: Inventory, lines: dict, source: str) -> list[str]:
+    """Names safe, references resolvable, container workdirs absolute, GPU lists disjoint."""
+    errs: list[str] = []
+
+    def err(path: tuple[str, ...], msg: str) -> None:
+        line = _line_for(lines, list(path))
+        errs.append(f"{source}:{line}: {'.'.join(path)}: {msg}" if line else f"{source}: {'.'.join(path)}: {msg}")
+
+    def ref(path: tuple[str, ...], kind: str, name: str, table: dict) -> None:
+        if name not in table:
+            close = suggest(name, table)
+            hint = f"; did you mean {close!r}?" if close else f" (known: {', '.join(sorted(table)) or 'none'})"
+            err(path, f"no {kind} named {name!r}{hint}")
+
+    for section in ("hosts", "targets", "venvs", "experiments"):
+        for name in getattr(inv, section):
+            if not SAFE_NAME.match(name) or ".." in name:
+                err((section, name), "unsafe name: use A-Z a-z 0-9 . _ - (no slashes, no '..', at most 64)")
+
+    for name, t in inv.targets.items():
+        ref(("targets", name, "venv"), "venv profile", t.venv, inv.venvs)
+        if isinstance(t, ContainerTargetSpec):
+            ref(("targets", name, "host"), "host", t.host, inv.hosts)
+            wd = PurePosixPath(t.workdir)
+            if not wd.is_absolute() or ".." in wd.parts or "\n" in t.workdir:
+                err(("targets", name, "workdir"), f"must be an absolute path without '..' (got {t.workdir!r})")
+        elif t.venv in inv.venvs and not isinstance(inv.venvs[t.venv], (WorkstationVenv, UvVenv)):
+            pass  # pragma: no cover - every kind is allowed locally
+
+    for name, e in inv.experiments.items():
+        ref(("experiments", name, "target"), "target", e.target, inv.targets)
+        if e.venv is not None:
+            ref(("experiments", name, "venv"), "venv profile", e.venv, inv.venvs)
+        if isinstance(e, DflashExperiment):
+            lay = e.layout
+            for key, gpus in (("target_gpus", lay.target_gpus), ("drafter_gpus", lay.drafter_gpus)):
+                dup = sorted({g for g in gpus if gpus.count(g) > 1})
+                if dup:
+                    err(("experiments", name, "layout", key), f"GPU {dup} listed twice")
+            both = sorted(set(lay.target_gpus) & set(lay.drafter_gpus))
+            if both:
+                err(("experiments", name, "layout"), f"GPU {both} is in both target_gpus and drafter_gpus")
+            if bool(lay.target_gpus) != bool(lay.drafter_gpus):
+                err(
+                    ("experiments", name, "layout"),
+                    "give both target_gpus and drafter_gpus, or neither (colocated on the CPU)",
+                )
+        else:
+            dup = sorted({g for g in e.gpus if e.gpus.count(g) > 1})
+            if dup:
+                err(("experiments", name, "gpus"), f"GPU {dup} listed twice")
+            for key in e.env:
+                if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                    err(("experiments", name, "env", key), "not a valid environment variable name")
+    return errs
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def parse_inventory(text: str, source: str = "inventory.yaml") -> Inventory:
+    """Parse and validate inventory text. `source` is the name used in error messages.
+
+    Raises:
+        InventoryError: syntax, unknown keys, wrong types, bad names, dangling references; every problem
+            on its own line as `FILE:LINE: key.path: what` (all of them, not just the first).
+    """
+    node, raw = _compose(text, source)
+    lines = _index_lines(node, source)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise InventoryError(f"{source}:1: the top level must be a mapping (hosts:, targets:, ...)")
+    try:
+        inv = Inventory.model_validate(raw)
+    except ValidationError as exc:
+        msgs = _format_errors(exc, raw, lines, source)
+        raise InventoryError("\n".join(msgs), fix=f"edit {source} at the line shown") from None
+    errs = _check_references(inv, lines, source)
+    if errs:
+        raise InventoryError("\n".join(errs), fix=f"edit {source} at the line shown")
+    inv._source = source
+    inv._lines = lines
+    return inv
+
+
+def embedded_text() -> str:
+    """The text of the embedded default inventory (packaged with orchestrator)."""
+    return resources.files("orchestrator").joinpath(DEFAULT_RESOURCE).read_text(encoding="utf-8")
+
+
+def user_config_path() -> Path:
+    """`<user config dir>/dflashctl/inventory.yaml` (platformdirs)."""
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("dflashctl")) / "inventory.yaml"
+
+
+def find_inventory(path: str | os.PathLike | None = None) -> Path | None:
+    """The inventory file by the lookup order, or None for the embedded default.
+
+    Raises:
+        InventoryError: an explicitly given file (argument or $DFLASHCTL_INVENTORY) does not exist.
+    """
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise InventoryError(f"inventory file {str(p)!r} (from --inventory) does not exist",
+                                 fix="pass an existing file to --inventory, or leave it out for the default")
+        return p
+    env = os.environ.get(ENV_VAR)
+    if env:
+        p = Path(env).expanduser()
+        if not p.is_file():
+            raise InventoryError(f"inventory file {str(p)!r} (from ${ENV_VAR}) does not exist",
+                                 fix=f"unset {ENV_VAR} or point it at an existing file")
+        return p
+    for p in (Path.cwd() / "inventory.yaml", user_config_path()):
+        if p.is_file():
+            return p
+    return None
+
+
+def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
+    """Load the inventory by the lookup order (see the module docstring).
+
+    Args:
+        path: the `--inventory` value, or None.
+    Returns:
+        The validated Inventory; `.source` names the file (or EMBEDDED).
+    Raises:
+        InventoryError: missing explicit file, unreadable file, or invalid content (file:line: key: what).
+    """
+    p = find_inventory(path)
+    if p is None:
+        return parse_inventory(embedded_text(), EMBEDDED)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InventoryError(f"cannot read inventory file {str(p)!r}: {exc}") from None
+    return parse_inventory(text, str(p))
