@@ -1,0 +1,164 @@
+"""`tail`: stream a run's log (and metrics) from byte offsets, in whole lines, until the run ends.
+
+Request:
+  run_id: str | None         the run; None: the newest run of `experiment` (or of all)
+  experiment: str | None
+  offset: int = 0            byte offset in train.log to start from (the follower's resume point)
+  tail: int | None           start at the last N complete lines instead (only when offset is 0)
+  follow: bool = False       keep streaming until exit.json appears or the session is gone
+  metrics: bool = follow     also stream metrics.jsonl
+  metrics_offset: int = 0
+  poll: float = 0.05         longest sleep between checks when inotify is unavailable
+  heartbeat: float = 2.0     seconds between heartbeat events (and tmux session checks)
+  baseline: bool = False     also report the last good run of the same experiment (its tokens/s)
+Events:
+  {"event": "run", "run_id", "experiment", "session", "offset", "baseline"}        first
+  {"event": "data", "offset": start, "next": end, "text": str} | same with "b64"    whole lines only
+  {"event": "metrics", "offset": start, "next": end, "records": [...], "invalid": n}
+  {"event": "heartbeat", "session_alive": bool|null, "log_size": n, "metrics_size": n}
+  {"event": "truncated", "file": "train.log"}    the file shrank; streaming restarts at 0
+Result: {"run_id", "state", "exit": exit.json|null, "offsets": {"log": n, "metrics": n},
+         "session_alive": bool|null}
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.tailer import (
+    DirWatcher,
+    LineCursor,
+    last_good_baseline,
+    read_exit,
+    resolve_run,
+    session_alive,
+    state_of,
+    tail_offset,
+)
+
+# How long to sleep at most with inotify on: changes wake us at once; this only bounds how late a change
+# nobody told us about (a log behind a symlink) is noticed.
+_INOTIFY_MAX_WAIT = 0.5
+
+
+def _data_event(emit, start: int, chunk: bytes) -> None:
+    try:
+        emit.event("data", offset=start, next=start + len(chunk), text=chunk.decode("utf-8"))
+    except UnicodeDecodeError:
+        # Not UTF-8: send the bytes as they are, so offsets stay exact and nothing is "replaced".
+        emit.event("data", offset=start, next=start + len(chunk), b64=base64.b64encode(chunk).decode("ascii"))
+
+
+def _metrics_event(emit, start: int, chunk: bytes) -> None:
+    records, invalid = [], 0
+    for raw in chunk.splitlines():
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            invalid += 1
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            invalid += 1
+    emit.event("metrics", offset=start, next=start + len(chunk), records=records, invalid=invalid)
+
+
+def _int(request: dict, key: str, default):
+    value = request.get(key, default)
+    if value is None:
+        return None
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise AgentFailure("BadRequest", f"tail: {key} must be an integer, got {value!r}") from None
+    if out < 0:
+        raise AgentFailure("BadRequest", f"tail: {key} must be >= 0, got {out}")
+    return out
+
+
+def run(request: dict, emit) -> dict:
+    workdir = request["workdir"]
+    ref = resolve_run(workdir, request.get("run_id"), request.get("experiment"))
+    follow = bool(request.get("follow", False))
+    offset = _int(request, "offset", 0)
+    tail = _int(request, "tail", None)
+    poll = float(request.get("poll", 0.05))
+    heartbeat = float(request.get("heartbeat", 2.0))
+    if offset == 0 and tail is not None:
+        offset = tail_offset(ref.log, tail)
+
+    log = LineCursor(ref.log, offset)
+    want_metrics = bool(request.get("metrics", follow))
+    metrics = LineCursor(ref.metrics, _int(request, "metrics_offset", 0)) if want_metrics else None
+    baseline = last_good_baseline(workdir, ref) if request.get("baseline") else None
+    emit.event("run", run_id=ref.run_id, experiment=ref.experiment, session=ref.session, offset=offset,
+               baseline=baseline)
+
+    watcher = DirWatcher(ref.path, fallback=poll) if follow else None
+    truncations = 0
+
+    def pump(final: bool = False) -> bool:
+        nonlocal truncations
+        moved = False
+        for start, chunk in log.read(final=final):
+            _data_event(emit, start, chunk)
+            moved = True
+        if log.truncations != truncations:
+            truncations = log.truncations
+            emit.event("truncated", file="train.log")
+        if metrics is not None:
+            for start, chunk in metrics.read(final=final):
+                _metrics_event(emit, start, chunk)
+                moved = True
+        return moved
+
+    def finish(state: str, exit_info: dict | None, alive: bool | None) -> dict:
+        # Drain to the end; once the run is over the writer is done, so a partial last line is its last line.
+        while pump(final=state != "running"):
+            pass
+        if watcher is not None:
+            watcher.close()
+        return {
+            "run_id": ref.run_id,
+            "state": state,
+            "exit": exit_info,
+            "session_alive": alive,
+            "offsets": {"log": log.offset, "metrics": metrics.offset if metrics else None},
+        }
+
+    last_check = float("-inf")
+    gone_once = False
+    alive: bool | None = None
+    while True:
+        while pump():
+            pass
+        exit_info = read_exit(ref)
+        if exit_info is not None:
+            return finish(state_of(exit_info, alive), exit_info, alive)
+        now = time.monotonic()
+        if not follow or now - last_check >= heartbeat:
+            last_check = now
+            alive = session_alive(ref.session)
+            if alive is False:
+                exit_info = read_exit(ref)  # the wrapper writes exit.json before its session ends
+                if exit_info is not None:
+                    return finish(state_of(exit_info, alive), exit_info, alive)
+                # Require two checks in a row: a run being launched has its directory before its session.
+                if gone_once or not follow:
+                    return finish("crashed", None, alive)
+                gone_once = True
+            else:
+                gone_once = False
+            if follow:
+                emit.event("heartbeat", session_alive=alive, log_size=log.size(),
+                           metrics_size=metrics.size() if metrics else None)
+        if not follow:
+            return finish(state_of(None, alive), None, alive)
+        wait = min(heartbeat - (time.monotonic() - last_check), _INOTIFY_MAX_WAIT)
+        watcher.wait(max(0.0, wait) if watcher.uses_inotify else min(max(0.0, wait), poll))
