@@ -111,6 +111,12 @@ class DataConfig(_Strict):
     """Max packed rows per step."""
     num_anchors: int = Field(512, ge=1)
     """Anchors (blocks) per packed row, re-drawn every step."""
+    regenerate_max_new_tokens: int = Field(2048, ge=1)
+    """Cap on each regenerated assistant turn (tokens)."""
+    eval_max_new_tokens: int = Field(256, ge=1)
+    """Tokens generated per held-out prompt when measuring τ (the tiny target uses its response_tokens)."""
+    chat_template_kwargs: dict[str, bool | int | float | str] = {}
+    """Extra arguments to the chat template, e.g. {"enable_thinking": false}; must match deployment (§4)."""
 
 
 class OptimConfig(_Strict):

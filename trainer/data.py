@@ -211,11 +211,11 @@ def _hf_model(target: Any) -> Any:
     """The HF causal LM behind `target` (a bare HF model, or a wrapper holding one)."""
     if hasattr(target, "generate"):
         return target
-    for name in ("hf_model", "model"):
+    for name in ("hf", "hf_model", "model"):
         inner = getattr(target, name, None)
         if inner is not None and hasattr(inner, "generate"):
             return inner
-    raise TypeError(f"{type(target).__name__} has no `generate` and wraps no HF model (hf_model / model)")
+    raise TypeError(f"{type(target).__name__} has no `generate` and wraps no HF model (hf / hf_model / model)")
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -283,7 +283,7 @@ def regenerate(
     dropping special tokens (only the end-of-turn is cut), so re-templating gives back the same tokens.
 
     Args:
-        target: an HF causal LM, or a wrapper with `.hf_model` / `.model`.
+        target: an HF causal LM, or a wrapper with `.hf` / `.hf_model` / `.model`.
         tokenizer: the target's tokenizer (with a chat template and a pad or eos token).
         conversations: the conversations (their assistant texts are only placeholders).
         max_new_tokens: cap per assistant turn.

@@ -155,3 +155,25 @@ def memory_stats() -> dict[str, float]:
     except ImportError:
         pass
     return stats
+
+
+def rewind_metrics(path: str | Path, step: int) -> int:
+    """Drop records logged after `step` (a resumed run repeats those steps); temp file + rename.
+
+    Records without a step are kept. Returns the number of records dropped.
+    """
+    p = Path(path)
+    if not p.exists():
+        return 0
+    records = read_metrics(p)
+    keep = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
+    if len(keep) == len(records):
+        return 0
+    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in keep:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    return len(records) - len(keep)
