@@ -1,0 +1,53 @@
+"""Shared fixtures. `fake_pve`: a fake Proxmox VE host (real sshd on 127.0.0.1, `pct` and `nvidia-smi`
+stand-ins, containers in their own namespaces); see tests/fakehost/README.md.
+
+Subdirectories add their own fixtures in their own conftest.py files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from fakehost import FakeContainer, FakePVE
+
+__all__ = ["FakeContainer", "FakePVE"]
+
+
+def _fake_host_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "the fake Proxmox host needs root (unshare, nsenter, sshd)"
+    for tool in ("unshare", "nsenter", "ssh-keygen", "ssh"):
+        if shutil.which(tool) is None:
+            return f"the fake Proxmox host needs `{tool}`"
+    if not os.path.exists("/usr/sbin/sshd"):
+        return "the fake Proxmox host needs /usr/sbin/sshd (apt-get install openssh-server)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def fake_pve():
+    """A started FakePVE for the whole session; containers are made by each test with create_container.
+
+    Set DFLASH_KEEP_FAKE_PVE=1 to keep its directory (sshd.log, pct-calls.jsonl) after the run.
+    """
+    missing = _fake_host_missing()
+    if missing:
+        # Not a skip: CI runs as root with openssh-server installed; a silent skip would hide the suite.
+        pytest.fail(missing + " (run the tests as root, see .ci/run)")
+    host = FakePVE().start()
+    try:
+        yield host
+    finally:
+        host.close(remove=not os.environ.get("DFLASH_KEEP_FAKE_PVE"))
+
+
+@pytest.fixture
+def pve(fake_pve):
+    """fake_pve with the pct delay reset to 0 and the call log cleared, for tests that count calls."""
+    fake_pve.set_delay(0)
+    fake_pve.clear_pct_calls()
+    yield fake_pve
+    fake_pve.set_delay(0)

@@ -1,0 +1,381 @@
+"""The fake Proxmox VE host: a real sshd on 127.0.0.1 and the `pct` / `nvidia-smi` stand-ins.
+
+Everything lives under one base directory (NOT under /tmp: every container bind-mounts its own
+directory over /tmp, so paths under the host's /tmp would vanish inside it):
+
+  <base>/ssh/        host keys, sshd_config, authorized_keys, sshd.log
+  <base>/client/     the client key (id_ed25519) and a known_hosts that trusts the host key
+  <base>/home/       HOME of ssh sessions: empty, so bash reads no rc file
+  <base>/bin/        pct, ctinit (first on the ssh session's PATH)
+  <base>/etc/pve/nodes/<node>/lxc/<id>.conf
+  <base>/ct/<id>/    a container: tmp/, sbin/ (nvidia-smi + .gpus.json), work/ (the target workdir),
+                     init.pid, ready, init.log
+  <base>/pct-calls.jsonl, <base>/pct-delay
+
+See tests/fakehost/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import pct as pct_impl
+
+HERE = Path(__file__).resolve().parent
+
+DEFAULT_NODE = "pve-test"
+GPU_NAME = "NVIDIA H100 80GB HBM3"
+GPU_MEM_TOTAL = 81559
+DRIVER = "570.133.20"
+SESSION_PATH_TAIL = "/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _python() -> str:
+    """An interpreter path for the stand-ins' shebangs: a real binary, never a pyenv shim (a bash script
+    that would add ~50 ms per call)."""
+    for cand in ("/usr/bin/python3", os.path.realpath(sys.executable)):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    raise RuntimeError("no python3 interpreter found for the fake host stand-ins")
+
+
+def _install(src: Path, dest: Path, python: str) -> None:
+    body = src.read_text()
+    tmp = dest.with_name(dest.name + ".tmp")
+    # -I: ignore PYTHON* variables and the user site; -S: no site-packages (stdlib only, faster start).
+    tmp.write_text(f"#!{python} -IS\n" + body)
+    tmp.chmod(0o755)
+    os.replace(tmp, dest)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _keygen(path: Path, comment: str) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True)
+
+
+def sshd_config(base: Path, port: int) -> str:
+    """The sshd_config text: absolute paths only, key auth only, a clean session environment."""
+    ssh = base / "ssh"
+    return "\n".join([
+        f"Port {port}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {ssh / 'ssh_host_ed25519_key'}",
+        f"PidFile {ssh / 'sshd.pid'}",
+        f"AuthorizedKeysFile {ssh / 'authorized_keys'}",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",
+        "PrintMotd no",
+        "PrintLastLog no",
+        "UseDNS no",
+        "MaxSessions 100",
+        "MaxStartups 100:30:200",
+        # HOME points at an empty directory: bash started by sshd would otherwise source root's ~/.bashrc
+        # (pyenv init etc., ~120 ms per command). PATH puts the fake pct first, as /usr/sbin is on a PVE host.
+        f'SetEnv HOME={base / "home"} PATH={base / "bin"}:{SESSION_PATH_TAIL} FAKE_PVE_BASE={base}',
+        "Subsystem sftp internal-sftp",
+        "LogLevel VERBOSE",
+        "",
+    ])
+
+
+class FakeContainer:
+    """One container of the fake host. `workdir` is usable as a ContainerTarget workdir (same path inside
+    and outside: the container shares the host's file system except /tmp and /usr/local/sbin)."""
+
+    def __init__(self, host: "FakePVE", ctid: int):
+        self.host = host
+        self.ctid = ctid
+        self.dir = host.base / "ct" / str(ctid)
+        self.workdir = str(self.dir / "work")
+
+    @property
+    def running(self) -> bool:
+        return pct_impl.init_pid(self.host.base, self.ctid) is not None
+
+    @property
+    def pid(self) -> int | None:
+        """Host pid of the container's init (None when stopped)."""
+        return pct_impl.init_pid(self.host.base, self.ctid)
+
+    def start(self) -> None:
+        """Start it (no pct call is logged)."""
+        pct_impl.start(self.host.base, self.ctid)
+
+    def stop(self) -> None:
+        """Stop it: everything inside dies with the init (no pct call is logged)."""
+        if self.running:
+            pct_impl.stop(self.host.base, self.ctid)
+
+    def _gpu_file(self) -> Path:
+        return self.dir / "sbin" / ".gpus.json"
+
+    def gpu_state(self) -> dict:
+        return json.loads(self._gpu_file().read_text())
+
+    def _write_gpu_state(self, state: dict) -> None:
+        tmp = self._gpu_file().with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, self._gpu_file())
+
+    def set_gpu_used(self, index: int, mib: int) -> None:
+        """Set memory.used of GPU `index` as nvidia-smi will report it."""
+        state = self.gpu_state()
+        for gpu in state["gpus"]:
+            if gpu["index"] == index:
+                gpu["memory_used"] = int(mib)
+                break
+        else:
+            raise IndexError(f"CT {self.ctid} has no GPU {index} (it has {len(state['gpus'])})")
+        self._write_gpu_state(state)
+
+    def set_nvidia_error(self, text: str | None) -> None:
+        """Make nvidia-smi fail with `text` (exit 9), e.g. a driver/library mismatch; None heals it."""
+        state = self.gpu_state()
+        state["error"] = text
+        self._write_gpu_state(state)
+
+    def exec(self, argv: list[str], *, input: bytes | None = None, timeout: float = 60,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run argv inside the container from the test process, as `pct exec --keep-env 0` would (no pct
+        call is logged). Raises RuntimeError when the container is not running."""
+        pid = self.pid
+        if pid is None:
+            raise RuntimeError(f"CT {self.ctid} is not running")
+        return subprocess.run(pct_impl.nsenter_argv(pid, list(argv)), input=input, capture_output=True,
+                              timeout=timeout, env=env or pct_impl.exec_env(False))
+
+    def __repr__(self) -> str:
+        return f"FakeContainer({self.ctid}, running={self.running})"
+
+
+class FakePVE:
+    """A fake Proxmox VE host. `start()` brings up sshd; `close()` stops containers and sshd.
+
+    Attributes: hostname, port, user, identity_file, known_hosts, base, node.
+    """
+
+    def __init__(self, base: Path | None = None, node: str = DEFAULT_NODE):
+        if base is None:
+            parent = Path(os.environ.get("FAKE_PVE_PARENT", "/var/tmp"))
+            parent.mkdir(parents=True, exist_ok=True)
+            base = Path(tempfile.mkdtemp(prefix="dflash-fakepve-", dir=parent))
+        self.base = Path(base)
+        self.node = node
+        self.hostname = "127.0.0.1"
+        self.port = 0
+        self.user = "root"
+        self.identity_file = str(self.base / "client" / "id_ed25519")
+        self.known_hosts = str(self.base / "client" / "known_hosts")
+        self.host_key_file = str(self.base / "ssh" / "ssh_host_ed25519_key")
+        self._sshd: subprocess.Popen | None = None
+        self._log = None
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def start(self) -> "FakePVE":
+        if os.geteuid() != 0:
+            raise RuntimeError("the fake Proxmox host needs root (unshare/nsenter and sshd)")
+        for tool in ("unshare", "nsenter", "ssh-keygen", "mount"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"the fake Proxmox host needs `{tool}` on PATH")
+        if not os.path.exists("/usr/sbin/sshd"):
+            raise RuntimeError("the fake Proxmox host needs /usr/sbin/sshd (apt-get install openssh-server)")
+        b = self.base
+        for sub in ("ssh", "client", "home", "bin", "ct", f"etc/pve/nodes/{self.node}/lxc"):
+            (b / sub).mkdir(parents=True, exist_ok=True)
+        (b / "node").write_text(self.node + "\n")
+        (b / "pct-delay").write_text("0\n")
+        (b / "pct-calls.jsonl").touch()
+        py = _python()
+        _install(HERE / "pct.py", b / "bin" / "pct", py)
+        _install(HERE / "ctinit.py", b / "bin" / "ctinit", py)
+        _keygen(b / "ssh" / "ssh_host_ed25519_key", "fake-pve-host")
+        _keygen(b / "client" / "id_ed25519", "fake-pve-client")
+        (b / "ssh" / "authorized_keys").write_text((b / "client" / "id_ed25519.pub").read_text())
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
+        last = ""
+        for _attempt in range(5):
+            self.port = _free_port()
+            cfg = b / "ssh" / "sshd_config"
+            cfg.write_text(sshd_config(b, self.port))
+            self._log = open(b / "ssh" / "sshd.log", "ab")
+            self._sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)],
+                                          stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
+            if self._wait_banner(10.0):
+                break
+            last = (b / "ssh" / "sshd.log").read_text(errors="replace")[-2000:]
+            self._stop_sshd()
+        else:
+            raise RuntimeError(f"sshd did not start:\n{last}")
+        pub = (b / "ssh" / "ssh_host_ed25519_key.pub").read_text().split()
+        (b / "client" / "known_hosts").write_text(f"[{self.hostname}]:{self.port} {pub[0]} {pub[1]}\n")
+        return self
+
+    def _wait_banner(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._sshd.poll() is not None:
+                return False
+            try:
+                with socket.create_connection((self.hostname, self.port), timeout=1) as s:
+                    if s.recv(64).startswith(b"SSH-"):
+                        return True
+            except OSError:
+                time.sleep(0.05)
+        return False
+
+    def _stop_sshd(self) -> None:
+        if self._sshd is not None and self._sshd.poll() is None:
+            self._sshd.terminate()
+            try:
+                self._sshd.wait(5)
+            except subprocess.TimeoutExpired:
+                self._sshd.kill()
+                self._sshd.wait()
+        else:
+            self._stop_foreign_sshd()
+        self._sshd = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _stop_foreign_sshd(self) -> None:
+        """Stop an sshd that an earlier process started on this base (found by its pid file, and only if
+        its command line names this base's config, so a recycled pid is never hit)."""
+        pidfile = self.base / "ssh" / "sshd.pid"
+        try:
+            pid = int(pidfile.read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            return
+        if str(self.base / "ssh" / "sshd_config").encode() in cmdline:
+            os.kill(pid, signal.SIGTERM)
+
+    def close(self, remove: bool = True) -> None:
+        """Stop every container and sshd; remove the base directory unless `remove` is False."""
+        for d in (self.base / "ct").glob("*"):
+            if d.name.isdigit():
+                FakeContainer(self, int(d.name)).stop()
+        self._stop_sshd()
+        if remove:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    # ----------------------------------------------------------------------------------- containers
+
+    def create_container(self, ctid: int, gpus: int = 8, running: bool = True, hostname: str | None = None) -> FakeContainer:
+        """Create (or re-create, fresh) container `ctid` with `gpus` stand-in GPUs, all at 0 MiB used."""
+        ct = FakeContainer(self, ctid)
+        self.remove_container(ctid)
+        for sub in ("tmp", "sbin", "work"):
+            (ct.dir / sub).mkdir(parents=True, exist_ok=True)
+        (ct.dir / "tmp").chmod(0o1777)
+        state = {
+            "driver_version": DRIVER,
+            "name": GPU_NAME,
+            "error": None,
+            "gpus": [
+                {"index": i, "uuid": f"GPU-{ctid:08x}-{i:04x}-4000-8000-{i:012x}",
+                 "pci_bus_id": f"00000000:{0x18 + 0x10 * i:02X}:00.0", "memory_used": 0,
+                 "memory_total": GPU_MEM_TOTAL}
+                for i in range(gpus)
+            ],
+        }
+        ct._write_gpu_state(state)
+        if gpus > 0:
+            _install(HERE / "nvidia_smi.py", ct.dir / "sbin" / "nvidia-smi", _python())
+        lines = [
+            "arch: amd64",
+            "cores: 16",
+            f"hostname: {hostname or f'ct{ctid}'}",
+            "memory: 65536",
+            "net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:00:01,ip=dhcp,type=veth",
+            "ostype: debian",
+            f"rootfs: local-lvm:vm-{ctid}-disk-0,size=64G",
+            "swap: 0",
+        ]
+        devs = [f"/dev/nvidia{i}" for i in range(gpus)]
+        if gpus:
+            devs += ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+        lines += [f"dev{i}: {path}" for i, path in enumerate(devs)]
+        conf = pct_impl.conf_path(self.base, ctid)
+        tmp = conf.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, conf)
+        if running:
+            ct.start()
+        return ct
+
+    def remove_container(self, ctid: int) -> None:
+        """Stop and delete container `ctid` (its config too): pct then says the config does not exist."""
+        ct = FakeContainer(self, ctid)
+        ct.stop()
+        pct_impl.conf_path(self.base, ctid).unlink(missing_ok=True)
+        shutil.rmtree(ct.dir, ignore_errors=True)
+
+    def container(self, ctid: int) -> FakeContainer:
+        return FakeContainer(self, ctid)
+
+    # ---------------------------------------------------------------------------------------- knobs
+
+    def pct_calls(self) -> list[list[str]]:
+        """argv (starting with "pct") of every pct call since the last clear, in order."""
+        text = (self.base / "pct-calls.jsonl").read_text()
+        return [json.loads(line)["argv"] for line in text.splitlines() if line.strip()]
+
+    def pct_exec_calls(self, ctid: int | None = None) -> list[list[str]]:
+        """The `pct exec` calls among pct_calls(), optionally only those for `ctid`."""
+        return [c for c in self.pct_calls() if len(c) > 2 and c[1] == "exec" and (ctid is None or c[2] == str(ctid))]
+
+    def clear_pct_calls(self) -> None:
+        path = self.base / "pct-calls.jsonl"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("")
+        os.replace(tmp, path)
+
+    def set_delay(self, seconds: float) -> None:
+        """Every later pct call sleeps `seconds` first (models pct's Perl start-up)."""
+        tmp = self.base / "pct-delay.tmp"
+        tmp.write_text(f"{float(seconds)}\n")
+        os.replace(tmp, self.base / "pct-delay")
+
+    def host_entry(self) -> dict:
+        """An inventory `hosts:` entry for this host."""
+        return {
+            "ssh": self.hostname,
+            "port": self.port,
+            "user": self.user,
+            "identity_file": self.identity_file,
+            "known_hosts": self.known_hosts,
+            "pct": "pct",
+            "sudo": False,
+        }
+
+    def ssh_argv(self, *remote: str) -> list[str]:
+        """argv of the OpenSSH client for one command on this host (BatchMode, this host's key files)."""
+        return ["ssh", "-p", str(self.port), "-i", self.identity_file, "-o", "BatchMode=yes",
+                "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "StrictHostKeyChecking=yes",
+                "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR", f"{self.user}@{self.hostname}", *remote]
+
+    def __enter__(self) -> "FakePVE":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""A stand-in for `nvidia-smi` inside a fake container. Stdlib only; installed as `<ct>/sbin/nvidia-smi`,
+which the container sees as /usr/local/sbin/nvidia-smi (on lxc's default PATH).
+
+The GPUs are described by `.gpus.json` next to this file (written by FakeContainer):
+  {"driver_version": "...", "name": "...", "error": null | "text",
+   "gpus": [{"index": 0, "uuid": "GPU-...", "pci_bus_id": "...", "memory_used": 0, "memory_total": 81559}]}
+
+Supported: `--query-gpu=F,F,... --format=csv[,noheader][,nounits]` (fields below), `-i/--id=LIST`, `-L`,
+and no arguments (a short table). Anything else fails like the real tool does.
+"""
+
+import json
+import os
+import sys
+
+FIELDS = {
+    # field: (json key or callable, unit)
+    "index": (lambda g, s: str(g["index"]), None),
+    "uuid": (lambda g, s: g["uuid"], None),
+    "gpu_uuid": (lambda g, s: g["uuid"], None),
+    "name": (lambda g, s: s["name"], None),
+    "gpu_name": (lambda g, s: s["name"], None),
+    "pci.bus_id": (lambda g, s: g["pci_bus_id"], None),
+    "gpu_bus_id": (lambda g, s: g["pci_bus_id"], None),
+    "driver_version": (lambda g, s: s["driver_version"], None),
+    "count": (lambda g, s: str(len(s["gpus"])), None),
+    "memory.used": (lambda g, s: str(g["memory_used"]), "MiB"),
+    "memory.total": (lambda g, s: str(g["memory_total"]), "MiB"),
+    "memory.free": (lambda g, s: str(g["memory_total"] - g["memory_used"]), "MiB"),
+    "utilization.gpu": (lambda g, s: str(g.get("utilization", 0)), "%"),
+    "temperature.gpu": (lambda g, s: str(g.get("temperature", 35)), None),
+}
+
+INVALID = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n"
+
+
+def load() -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, ".gpus.json")) as fh:
+        return json.load(fh)
+
+
+def fail(text: str, code: int = 2) -> int:
+    sys.stdout.write(text)  # the real tool prints its complaints on stdout
+    return code
+
+
+def main(args: list[str]) -> int:
+    state = load()
+    if state.get("error"):
+        return fail(state["error"].rstrip("\n") + "\n\n", 9)
+    query = fmt = None
+    ids = None
+    listing = False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name, eq, val = a.partition("=")
+        if name in ("--query-gpu", "--format", "--id", "-i") and not eq:
+            if i + 1 >= len(args):
+                return fail(INVALID)
+            i += 1
+            val = args[i]
+        if name == "--query-gpu":
+            query = [f.strip() for f in val.split(",") if f.strip()]
+        elif name == "--format":
+            fmt = [f.strip() for f in val.split(",")]
+        elif name in ("--id", "-i"):
+            ids = [x.strip() for x in val.split(",")]
+        elif a in ("-L", "--list-gpus"):
+            listing = True
+        else:
+            return fail(INVALID)
+        i += 1
+    gpus = state["gpus"]
+    if ids is not None:
+        known = {str(g["index"]) for g in gpus}
+        for x in ids:
+            if x not in known:
+                return fail(f"No devices were found\n", 6)
+        gpus = [g for g in gpus if str(g["index"]) in ids]
+    if listing:
+        for g in gpus:
+            sys.stdout.write(f"GPU {g['index']}: {state['name']} (UUID: {g['uuid']})\n")
+        return 0
+    if query is not None:
+        if fmt is None or "csv" not in fmt or any(f not in ("csv", "noheader", "nounits") for f in fmt):
+            return fail(INVALID)
+        for field in query:
+            if field not in FIELDS:
+                return fail(f'Field "{field}" is not a valid field to query.\n\n', 2)
+        units = "nounits" not in fmt
+        if "noheader" not in fmt:
+            heads = [f"{f} [{FIELDS[f][1]}]" if FIELDS[f][1] and units else f for f in query]
+            sys.stdout.write(", ".join(heads) + "\n")
+        for g in gpus:
+            cells = []
+            for f in query:
+                getter, unit = FIELDS[f]
+                value = getter(g, state)
+                cells.append(f"{value} {unit}" if unit and units else value)
+            sys.stdout.write(", ".join(cells) + "\n")
+        return 0
+    if fmt is not None:
+        return fail(INVALID)
+    sys.stdout.write(f"NVIDIA-SMI (stand-in)    Driver Version: {state['driver_version']}\n")
+    for g in gpus:
+        sys.stdout.write(f"|  {g['index']}  {state['name']:<28} {g['pci_bus_id']}  "
+                         f"{g['memory_used']}MiB / {g['memory_total']}MiB |\n")
+    if not gpus:
+        sys.stdout.write("No running processes found\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
