@@ -1,0 +1,254 @@
+"""Locks: the pinned, hashed requirement files a target venv is built from (`templates/locks/<profile>.txt`).
+
+A lock is made on the workstation by `uv pip compile --generate-hashes` from `<profile>.in`, for one
+Python version and platform (the container's, not the workstation's), so every rebuild installs exactly
+the same files. Regenerating keeps existing pins (uv reads the old lock as preferences) unless a package
+is named with `--upgrade-package`. The lock's identity is the hash of its bytes (`lock_hash`): it names
+the venv directory and is recorded in the venv fingerprint that launch compares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.errors import RemoteCommandError, UserError
+
+LOCKS_DIR = Path(__file__).resolve().parent.parent / "templates" / "locks"
+# The shipped profiles. A venv profile may also name a lock file by path.
+PROFILES = ("cpu", "cuda", "test")
+# Locks are compiled for the container, not for the workstation that compiles them.
+PYTHON_VERSION = "3.11"
+PYTHON_PLATFORM = "x86_64-manylinux_2_28"
+
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
+
+
+def lock_hash(data: bytes) -> str:
+    """The identity of a lock: sha256 of its bytes, 16 hex characters."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def normalize_name(name: str) -> str:
+    """PEP 503 normalized project name (`PyYAML` -> `pyyaml`, `typing_extensions` -> `typing-extensions`)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def parse_pins(text: str) -> dict[str, str]:
+    """`{normalized name: version}` of every `name==version` line of a requirements lock."""
+    pins: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _PIN.match(line.strip())
+        if m:
+            pins[normalize_name(m.group(1))] = m.group(2)
+    return pins
+
+
+@dataclass(frozen=True)
+class LockFile:
+    """A lock's bytes and where they came from."""
+
+    name: str
+    """The profile name (`cpu`, `cuda`, `test`) or the file name of a lock given by path."""
+    path: Path
+    data: bytes = field(repr=False)
+
+    @property
+    def hash(self) -> str:
+        return lock_hash(self.data)
+
+    @property
+    def has_hashes(self) -> bool:
+        """True when the lock carries `--hash=` lines (then uv installs in hash-checking mode)."""
+        return b"--hash=" in self.data
+
+    def pins(self) -> dict[str, str]:
+        return parse_pins(self.data.decode("utf-8", errors="replace"))
+
+
+def resolve_lock(spec: str, locks_dir: Path | None = None) -> LockFile:
+    """Find the lock a venv profile names: a shipped profile name, or a path to a lock file.
+
+    Args:
+        spec: `cpu`, `cuda`, `test`, or a file path (`~` expanded).
+        locks_dir: where shipped locks live (tests point this elsewhere).
+    Returns:
+        The LockFile, bytes read.
+    Raises:
+        UserError: no such profile or file, or the file is empty.
+    """
+    base = locks_dir or LOCKS_DIR
+    if "/" not in spec and not spec.endswith(".txt"):
+        path = base / f"{spec}.txt"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in base.glob("*.txt"))) or "none"
+            raise UserError(
+                f"no lock profile {spec!r} in {base} (known: {known})",
+                fix=f"generate it with `dflashctl lock {spec}` after writing {base / (spec + '.in')}, "
+                "or set the venv profile's `lock:` to a lock file path",
+            )
+        name = spec
+    else:
+        path = Path(os.path.expanduser(spec))
+        if not path.is_file():
+            raise UserError(f"lock file {str(path)!r} does not exist", fix="fix the venv profile's `lock:` path")
+        name = path.stem
+    data = path.read_bytes()
+    if not parse_pins(data.decode("utf-8", errors="replace")):
+        raise UserError(f"lock file {str(path)!r} pins no packages (no `name==version` lines)",
+                        fix="make it with `uv pip compile --generate-hashes`")
+    return LockFile(name, path, data)
+
+
+def uv_command() -> list[str]:
+    """How to run uv on the workstation: `uv` on PATH, else the `uv` module of this interpreter.
+
+    Raises:
+        UserError: neither exists.
+    """
+    exe = shutil.which("uv")
+    if exe:
+        return [exe]
+    import importlib.util
+
+    if importlib.util.find_spec("uv") is not None:
+        return [sys.executable, "-m", "uv"]
+    raise UserError("uv is not installed on this workstation", fix="pip install uv  (or: pipx install uv)")
+
+
+def compile_argv(
+    uv: Sequence[str],
+    in_path: str,
+    out_path: str,
+    profile: str,
+    *,
+    upgrade_packages: Sequence[str] = (),
+    find_links: Sequence[str] = (),
+    index_url: str | None = None,
+    extra_index_urls: Sequence[str] = (),
+    python_version: str = PYTHON_VERSION,
+    python_platform: str = PYTHON_PLATFORM,
+) -> list[str]:
+    """The `uv pip compile` command line that regenerates one lock (pure; golden-tested).
+
+    `--no-config` keeps a stray uv.toml from changing the result; the custom compile command keeps
+    workstation paths out of the lock's header; find-links and index URLs are not emitted into the lock,
+    because the container names its own sources (the venv profile's `find_links`, `index_url`).
+    """
+    argv = [
+        *uv, "pip", "compile", in_path, "--output-file", out_path,
+        "--generate-hashes", "--no-config",
+        "--python-version", python_version, "--python-platform", python_platform,
+        "--custom-compile-command", f"dflashctl lock {profile}",
+    ]
+    if index_url:
+        argv += ["--index-url", index_url]
+    for url in extra_index_urls:
+        argv += ["--extra-index-url", url]
+    for link in find_links:
+        argv += ["--find-links", link]
+    for pkg in upgrade_packages:
+        argv += ["--upgrade-package", pkg]
+    return argv
+
+
+@dataclass
+class LockReport:
+    """What `dflashctl lock` did to one profile."""
+
+    profile: str
+    path: str
+    hash: str
+    old_hash: str | None
+    packages: int
+    changed: dict[str, tuple[str | None, str | None]]
+    """name -> (old version, new version); None where added or removed."""
+    duration_s: float
+
+    @property
+    def unchanged(self) -> bool:
+        return self.hash == self.old_hash
+
+
+def compile_lock(
+    profile: str,
+    *,
+    upgrade_packages: Sequence[str] = (),
+    find_links: Sequence[str] = (),
+    index_url: str | None = None,
+    extra_index_urls: Sequence[str] = (),
+    locks_dir: Path | None = None,
+    on_line: Callable[[str], None] | None = None,
+    timeout: float = 900.0,
+) -> LockReport:
+    """Regenerate `<locks_dir>/<profile>.txt` from `<profile>.in` with `uv pip compile --generate-hashes`.
+
+    The old lock is copied to a temporary file that uv compiles into (so its pins are kept as
+    preferences), and only a successful result is renamed over the lock: a failure leaves it as it was.
+
+    Args:
+        profile: the lock profile name (a `<profile>.in` must exist).
+        upgrade_packages: packages allowed to move to newer versions.
+        find_links / index_url / extra_index_urls: where uv finds distributions (e.g. the torch CPU wheel).
+        locks_dir: the directory of .in/.txt files (default: the shipped templates/locks).
+        on_line: called with each line uv prints on stderr (progress).
+        timeout: seconds before uv is killed.
+    Returns:
+        A LockReport (hash, old hash, changed pins).
+    Raises:
+        UserError: bad profile name, or no `<profile>.in`.
+        RemoteCommandError: uv failed (the message carries uv's last lines: the resolution error).
+    """
+    from orchestrator.inventory import check_name
+    from orchestrator.transport.local import LocalTransport
+
+    check_name("lock profile", profile)
+    base = locks_dir or LOCKS_DIR
+    in_path = base / f"{profile}.in"
+    out_path = base / f"{profile}.txt"
+    if not in_path.is_file():
+        raise UserError(f"no {in_path.name} in {base}", fix=f"write the requirements of `{profile}` to {in_path}")
+    old = out_path.read_bytes() if out_path.is_file() else None
+    tmp = base / f".{profile}.txt.tmp-{os.getpid()}"
+    if old is not None:
+        tmp.write_bytes(old)
+    argv = compile_argv(uv_command(), in_path.name, tmp.name, profile, upgrade_packages=upgrade_packages,
+                        find_links=find_links, index_url=index_url, extra_index_urls=extra_index_urls)
+    buf = bytearray()
+
+    def _stderr(chunk: bytes) -> None:
+        buf.extend(chunk)
+        *lines, rest = buf.split(b"\n")
+        buf[:] = rest
+        for line in lines:
+            if on_line is not None and line.strip():
+                on_line(line.decode("utf-8", errors="replace").rstrip())
+
+    start = time.monotonic()
+    try:
+        # cwd = the locks dir, so the .in path in uv's annotations ("# via -r cpu.in") has no workstation path.
+        res = LocalTransport(cwd=str(base)).run(argv, timeout=timeout, on_stderr=_stderr)
+        if res.exit_code != 0 or not tmp.is_file():
+            raise RemoteCommandError(f"uv could not compile the {profile} lock (exit {res.exit_code})", result=res,
+                                     fix="read uv's message above; relax a pin in "
+                                     f"{in_path.name} or pass --find-links/--index-url for missing wheels")
+        new = tmp.read_bytes()
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    old_pins = parse_pins(old.decode()) if old else {}
+    new_pins = parse_pins(new.decode())
+    changed = {
+        name: (old_pins.get(name), new_pins.get(name))
+        for name in sorted(set(old_pins) | set(new_pins))
+        if old_pins.get(name) != new_pins.get(name)
+    }
+    return LockReport(profile, str(out_path), lock_hash(new), lock_hash(old) if old else None, len(new_pins),
+                      changed, time.monotonic() - start)
