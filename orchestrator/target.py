@@ -231,7 +231,6 @@ def open_target(inv, name: str) -> BaseTarget:
         UserError / InventoryError: unsafe or unknown name (with a suggestion), or a local workdir that
             cannot be created.
     """
-    import os
     from pathlib import Path
 
     from orchestrator.errors import UserError
@@ -240,21 +239,7 @@ def open_target(inv, name: str) -> BaseTarget:
     spec = inv.target(name)
     if isinstance(spec, ContainerTargetSpec):
         host = inv.host(spec.host)
-        from orchestrator.transport.pct import PctTransport
-        from orchestrator.transport.ssh import SSHTransport
-
-        # `ssh` is either an ~/.ssh/config alias or a plain hostname; handing it as both lets the SSH layer
-        # apply any matching ~/.ssh/config block (as `ssh NAME` would), with explicit fields overriding it.
-        ssh = SSHTransport(
-            host.ssh,
-            port=host.port or 22,
-            user=host.user,
-            identity_file=os.path.expanduser(host.identity_file) if host.identity_file else None,
-            known_hosts=os.path.expanduser(host.known_hosts) if host.known_hosts else None,
-            ssh_config_alias=host.ssh,
-        )
-        transport = PctTransport(ssh, spec.ctid, pct=host.pct, sudo=host.sudo)
-        return ContainerTarget(name=name, workdir=spec.workdir, transport=transport, home=spec.home)
+        return container_target(name, spec, host, ssh_transport(host))
 
     workdir = spec.resolved_workdir()
     try:
@@ -273,3 +258,32 @@ def open_target(inv, name: str) -> BaseTarget:
     from orchestrator.transport.local import LocalTransport
 
     return LocalTarget(name=name, workdir=str(workdir), transport=LocalTransport(), python=python)
+
+
+def ssh_transport(host):
+    """An SSHTransport for an inventory HostSpec (imported lazily: paramiko is heavy).
+
+    `ssh` is either an ~/.ssh/config alias or a plain hostname; handing it as both lets the SSH layer apply
+    any matching ~/.ssh/config block (as `ssh NAME` would), with the explicit fields overriding it.
+    """
+    import os
+
+    from orchestrator.transport.ssh import SSHTransport
+
+    return SSHTransport(
+        host.ssh,
+        port=host.port or 22,
+        user=host.user,
+        identity_file=os.path.expanduser(host.identity_file) if host.identity_file else None,
+        known_hosts=os.path.expanduser(host.known_hosts) if host.known_hosts else None,
+        ssh_config_alias=host.ssh,
+    )
+
+
+def container_target(name: str, spec, host, ssh) -> "ContainerTarget":
+    """A ContainerTarget for an inventory ContainerTargetSpec whose pct calls ride on `ssh` (a Transport
+    to the Proxmox host; several callers may share one connection)."""
+    from orchestrator.transport.pct import PctTransport
+
+    transport = PctTransport(ssh, spec.ctid, pct=host.pct, sudo=host.sudo)
+    return ContainerTarget(name=name, workdir=spec.workdir, transport=transport, home=spec.home)

@@ -1,0 +1,292 @@
+"""`doctor`: is a target ready to train? A list of checks, each failure with the command that fixes it.
+
+Round trips for a container (pct's Perl start-up makes each one cost hundreds of ms):
+  host side: `pct status CTID` and `pct config CTID` over the one SSH connection (not `pct exec`);
+  in the container: ONE agent `ping` (one `pct exec`) that answers every in-container check.
+A first contact with a container that lacks this bundle adds the one-time bundle copy (target.py).
+For the local target the same agent ping runs as a subprocess, and the ssh/pct checks do not apply.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from orchestrator.errors import (
+    ConnectError,
+    ContainerMissing,
+    ContainerStopped,
+    DflashError,
+    HostKeyError,
+    PctNotFound,
+    SudoRequired,
+)
+from orchestrator.transport.quoting import render
+
+OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
+
+# A GPU device line in `pct config` output: native passthrough (devN: /dev/nvidiaK) or raw lxc entries.
+_GPU_DEV = re.compile(r"^(dev\d+:.*?/dev/nvidia(\d+)\b|lxc\.mount\.entry:.*?/dev/nvidia(\d+)\b)", re.M)
+_NVIDIA_ANY = re.compile(r"^(dev\d+|lxc\.cgroup2?\.devices\.allow|lxc\.mount\.entry):.*nvidia", re.M)
+
+DEFAULT_MIN_FREE_GIB = {"container": 20.0, "local": 1.0}
+
+
+@dataclass
+class Check:
+    """One line of the doctor table.
+
+    Attributes:
+        name: what was checked ("ssh reachable", "tmux", ...).
+        status: "ok", "fail", "warn" (works, but worth knowing) or "skip" (an earlier failure hides it).
+        detail: what was found.
+        fix: the command (or edit) that fixes a failure; None when ok.
+    """
+
+    name: str
+    status: str
+    detail: str
+    fix: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status != FAIL
+
+
+@dataclass
+class DoctorReport:
+    """All checks of one target, plus the raw ping answer when the agent was reached."""
+
+    target: str
+    kind: str
+    checks: list[Check] = field(default_factory=list)
+    ping: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when no check failed (warnings and skips do not fail doctor)."""
+        return all(c.ok for c in self.checks)
+
+    def add(self, name: str, status: str, detail: str, fix: str | None = None) -> None:
+        self.checks.append(Check(name, status, detail, fix if status in (FAIL, WARN) else None))
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "kind": self.kind, "ok": self.ok,
+                "checks": [asdict(c) for c in self.checks], "ping": self.ping}
+
+
+def host_pct_argv(pct: str, sudo: bool, verb: str, ctid: int, *args: str) -> list[str]:
+    """argv of a host-side pct call (`pct status 200`), through `sudo -n` for a non-root user."""
+    return [*(["sudo", "-n"] if sudo else []), pct, verb, str(ctid), *args]
+
+
+def gpu_devices(config_text: str) -> list[int]:
+    """Indexes of /dev/nvidiaN devices passed through, from `pct config` output (sorted, unique)."""
+    found = set()
+    for m in _GPU_DEV.finditer(config_text):
+        found.add(int(m.group(2) or m.group(3)))
+    return sorted(found)
+
+
+def _classify_pct(res, ctid: int) -> DflashError | None:
+    """A host-side pct failure as the typed error (by stderr text, never the exit code), else None."""
+    text = (res.stderr + res.stdout).decode("utf-8", errors="replace")
+    if res.exit_code == 0:
+        return None
+    if "sudo:" in text and ("password" in text or "not allowed" in text):
+        return SudoRequired(text.strip().splitlines()[-1], result=res)
+    if res.exit_code == 127 or re.search(r"pct: (command )?not found|No such file or directory", text):
+        return PctNotFound("pct not found on the host", result=res)
+    if re.search(r"Configuration file '[^']*/lxc/%d\.conf' does not exist" % ctid, text):
+        return ContainerMissing(f"container {ctid} does not exist on this host", result=res)
+    if f"container '{ctid}' not running" in text:
+        return ContainerStopped(f"container {ctid} is not running", result=res)
+    return DflashError(f"pct failed (exit {res.exit_code}): {text.strip()[-300:]}")
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _fix(prefix: list[str], argv: list[str]) -> str:
+    """A fix command line: argv run inside the target (through `prefix`, e.g. pct exec 200 --)."""
+    return render([*prefix, *argv])
+
+
+def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix: list[str], min_free_gib: float) -> None:
+    """The in-target checks, all from one ping answer. `prefix` runs a fix inside the target."""
+    py = ping.get("python") or {}
+    rep.add("python3", OK, f"Python {py.get('version')} at {py.get('executable')}")
+
+    gpus = (ping.get("gpus") or {}).get("gpus") or []
+    reason = (ping.get("gpus") or {}).get("reason")
+    if gpus and not reason:
+        mem = ", ".join(f"{g['index']}:{g.get('used_mib')}/{g.get('total_mib')} MiB" for g in gpus)
+        rep.add("nvidia-smi readable", OK, f"{len(gpus)} GPU(s): {mem}")
+    elif kind == "local":
+        rep.add("nvidia-smi readable", WARN, f"no GPU here ({reason}); the CPU experiments (tiny) still run",
+                "install the NVIDIA driver to train on GPUs")
+    else:
+        rep.add("nvidia-smi readable", FAIL, reason or "no GPUs listed",
+                "install the host's NVIDIA driver version in the container without kernel modules "
+                "(NVIDIA-Linux-*.run --no-kernel-modules)")
+
+    tmux = ping.get("tmux")
+    rep.add("tmux", OK if tmux else FAIL, tmux or "tmux not found on PATH", _fix(prefix, ["apt-get", "install", "-y", "tmux"]))
+
+    uv = ping.get("uv")
+    rep.add("uv", OK if uv else FAIL, f"{uv.get('version')} at {uv.get('path')}" if uv else "uv not found",
+            _fix(prefix, ["sh", "-c", "curl -LsSf https://astral.sh/uv/install.sh | sh"]) if prefix
+            else "curl -LsSf https://astral.sh/uv/install.sh | sh")
+
+    disk = ping.get("disk") or {}
+    free = disk.get("free_bytes")
+    if free is None:
+        rep.add("free disk", FAIL, f"cannot measure free space at {disk.get('path')}: {disk.get('error')}")
+    elif free < min_free_gib * 2**30:
+        rep.add("free disk", FAIL, f"{_gib(free)} free at {disk.get('path')} (< {min_free_gib:g} GiB)",
+                f"free space under {disk.get('path')} (old venvs: dflashctl rebuild-venv prunes to `keep`)")
+    else:
+        rep.add("free disk", OK, f"{_gib(free)} free of {_gib(disk.get('total_bytes'))} at {disk.get('path')}")
+
+    for key, label in (("workdir", "workdir writable"), ("inductor_cache_dir", "inductor cache dir writable")):
+        d = ping.get(key) or {}
+        if d.get("writable"):
+            rep.add(label, OK, str(d.get("path")))
+        else:
+            rep.add(label, FAIL, f"{d.get('path')}: {d.get('error')}",
+                    _fix(prefix, ["mkdir", "-p", str(d.get("path"))]) + "  (and check its owner and mount)")
+
+
+def _ping(rep: DoctorReport, target, kind: str, prefix: list[str], min_free_gib: float) -> None:
+    """Run the one agent ping and turn its answer into checks (or one failure and skips)."""
+    try:
+        ping = target.agent("ping", timeout=120)
+    except DflashError as exc:  # AgentError, RemoteCommandError (no python3), ConnectError, pct errors
+        if "python3" in exc.message:
+            rep.add("python3", FAIL, exc.message, _fix(prefix, ["apt-get", "install", "-y", "python3"]))
+        else:
+            rep.add("python3", FAIL, f"the agent could not run: {exc.message}", exc.fix)
+        _skip_rest(rep, "needs the agent", _ORDER[_ORDER.index("python3"):])
+        return
+    rep.ping = ping
+    _agent_checks(rep, ping, kind, prefix, min_free_gib)
+
+
+def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> DoctorReport:
+    """Check that target `target_name` can train.
+
+    Args:
+        inv: the Inventory.
+        target_name: key of `targets:`.
+        min_free_gib: free disk below this fails (default 20 GiB in a container, 1 GiB locally).
+    Returns:
+        A DoctorReport; `.ok` is False when any check failed. Connection trouble is reported as a failed
+        check, not raised.
+    Raises:
+        InventoryError / UserError: unknown or unsafe target name.
+    """
+    from orchestrator.inventory import ContainerTargetSpec
+
+    spec = inv.target(target_name)
+    if not isinstance(spec, ContainerTargetSpec):
+        from orchestrator.target import open_target
+
+        rep = DoctorReport(target_name, "local")
+        target = open_target(inv, target_name)
+        try:
+            _ping(rep, target, "local", [], DEFAULT_MIN_FREE_GIB["local"] if min_free_gib is None else min_free_gib)
+        finally:
+            target.close()
+        return rep
+    return _doctor_container(inv, target_name, spec,
+                             DEFAULT_MIN_FREE_GIB["container"] if min_free_gib is None else min_free_gib)
+
+
+def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport:
+    from orchestrator.target import container_target, ssh_transport
+
+    host = inv.host(spec.host)
+    rep = DoctorReport(name, "container")
+    ctid = spec.ctid
+    on_host = f"(on {spec.host}: ssh {host.ssh} ...)"
+    ssh = ssh_transport(host)
+    try:
+        # 1. ssh + host key + pct: the first host-side call proves all three.
+        try:
+            status_res = ssh.run(host_pct_argv(host.pct, host.sudo, "status", ctid), timeout=60)
+        except HostKeyError as exc:
+            rep.add("ssh reachable", SKIP, f"{host.ssh} answered, but its host key is not trusted")
+            rep.add("host key known", FAIL, exc.message, exc.fix or f"dflashctl trust {spec.host}")
+            return _skip_rest(rep, "needs ssh")
+        except ConnectError as exc:
+            rep.add("ssh reachable", FAIL, exc.message,
+                    exc.fix or f"check that `ssh {host.ssh}` works (hosts.{spec.host} in {inv.source})")
+            return _skip_rest(rep, "needs ssh")
+        rep.add("ssh reachable", OK, f"{host.user + '@' if host.user else ''}{host.ssh}:{host.port or 22}")
+        rep.add("host key known", OK, "matches known_hosts")
+        err = _classify_pct(status_res, ctid)
+        if isinstance(err, (PctNotFound, SudoRequired)):
+            fix = ("give the user passwordless sudo for pct (`NOPASSWD: /usr/sbin/pct`) or set "
+                   f"hosts.{spec.host}.sudo" if isinstance(err, SudoRequired)
+                   else f"is {spec.host} a Proxmox VE host? set hosts.{spec.host}.pct to /usr/sbin/pct")
+            rep.add("pct present", FAIL, err.message, fix)
+            return _skip_rest(rep, "needs pct")
+        rep.add("pct present", OK, render(host_pct_argv(host.pct, host.sudo, "status", ctid)) + " answered")
+
+        # 2. container state (host side).
+        text = status_res.stdout.decode("utf-8", errors="replace")
+        if isinstance(err, ContainerMissing):
+            rep.add("container running", FAIL, f"container {ctid} does not exist on {spec.host}",
+                    f"fix targets.{name}.ctid in {inv.source} (`pct list` on {spec.host} shows the containers)")
+            return _skip_rest(rep, "needs the container")
+        if err is not None:
+            rep.add("container running", FAIL, err.message, f"pct status {ctid} {on_host}")
+            return _skip_rest(rep, "needs the container")
+        running = re.search(r"^status:\s*running\s*$", text, re.M) is not None
+        if running:
+            rep.add("container running", OK, f"CT {ctid}: running")
+        else:
+            state = (re.search(r"^status:\s*(\S+)", text, re.M) or [None, "unknown"])[1]
+            rep.add("container running", FAIL, f"CT {ctid} is {state}",
+                    render(host_pct_argv(host.pct, host.sudo, "start", ctid)) + f"  (run on {spec.host})")
+
+        # 3. GPU devices in the container config (host side; works while stopped too).
+        cfg = ssh.run(host_pct_argv(host.pct, host.sudo, "config", ctid), timeout=60)
+        cfg_text = cfg.stdout.decode("utf-8", errors="replace")
+        devs = gpu_devices(cfg_text)
+        if cfg.exit_code != 0:
+            rep.add("GPU devices visible", FAIL, f"pct config {ctid} failed (exit {cfg.exit_code})",
+                    f"pct config {ctid} {on_host}")
+        elif devs:
+            rep.add("GPU devices visible", OK, f"{len(devs)} passed through: " + ", ".join(f"/dev/nvidia{i}" for i in devs))
+        elif _NVIDIA_ANY.search(cfg_text):
+            rep.add("GPU devices visible", WARN, "nvidia device rules present but no /dev/nvidiaN entries",
+                    f"pct set {ctid} -dev0 /dev/nvidia0 ...  (run on {spec.host})")
+        else:
+            rep.add("GPU devices visible", FAIL, f"CT {ctid}'s config passes no /dev/nvidia* device",
+                    f"pct set {ctid} -dev0 /dev/nvidia0 -dev1 /dev/nvidiactl -dev2 /dev/nvidia-uvm "
+                    f"-dev3 /dev/nvidia-uvm-tools  (run on {spec.host}, then restart the container)")
+        if not running:
+            return _skip_rest(rep, "needs a running container")
+
+        # 4. Everything inside: ONE pct exec.
+        target = container_target(name, spec, host, ssh)
+        _ping(rep, target, "container", ["pct", "exec", str(ctid), "--"], min_free_gib)
+        return rep
+    finally:
+        ssh.close()
+
+
+_ORDER = ["ssh reachable", "host key known", "pct present", "container running", "GPU devices visible",
+          "python3", "nvidia-smi readable", "tmux", "uv", "free disk", "workdir writable",
+          "inductor cache dir writable"]
+
+
+def _skip_rest(rep: DoctorReport, why: str, names: list[str] | None = None) -> DoctorReport:
+    """Add every check not yet reported (of `names`, default all) as skipped because of `why`."""
+    done = {c.name for c in rep.checks}
+    for n in names or _ORDER:
+        if n not in done:
+            rep.add(n, SKIP, why)
+    return rep
