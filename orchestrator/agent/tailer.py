@@ -141,6 +141,27 @@ def session_alive(name: str | None) -> bool | None:
     return proc.returncode == 0
 
 
+def pid_alive(ref: RunRef) -> bool | None:
+    """Whether the process group in `<run>/pid` (written by start_training.sh) still exists; None if unknown."""
+    try:
+        pid = int((ref.path / "pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_alive(ref: RunRef) -> bool | None:
+    """The run's session is alive (tmux), else, where tmux cannot tell, whether its command's pid is."""
+    alive = session_alive(ref.session)
+    return pid_alive(ref) if alive is None else alive
+
+
 def state_of(exit_info: dict | None, alive: bool | None) -> str:
     """running | succeeded | failed | crashed, from exit.json (or its absence) and the session."""
     if exit_info is not None:
@@ -308,7 +329,8 @@ class LineCursor:
             end = min(cut, pos + EVENT_BYTES)
             if end < cut:
                 nl = data.rfind(b"\n", pos, end)
-                end = nl + 1 if nl >= pos else end
+                # No newline in this window: one over-long line; keep it in one event (it is one line).
+                end = nl + 1 if nl >= pos else cut
             chunks.append((self.offset + pos, data[pos:end]))
             pos = end
         self.offset += cut

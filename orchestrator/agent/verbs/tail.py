@@ -34,7 +34,7 @@ from orchestrator.agent.tailer import (
     last_good_baseline,
     read_exit,
     resolve_run,
-    session_alive,
+    run_alive,
     state_of,
     tail_offset,
 )
@@ -144,7 +144,7 @@ def run(request: dict, emit) -> dict:
         now = time.monotonic()
         if not follow or now - last_check >= heartbeat:
             last_check = now
-            alive = session_alive(ref.session)
+            alive = run_alive(ref)
             if alive is False:
                 exit_info = read_exit(ref)  # the wrapper writes exit.json before its session ends
                 if exit_info is not None:

@@ -1,0 +1,592 @@
+"""`logs`: show or follow a run's log through ONE long-lived agent `tail` exec, surviving dropped
+connections without losing or repeating a line, matching crash signatures line by line and watching the
+metrics for regressions, memory growth and hangs.
+
+Loss-free resume: the agent only ever sends whole lines, each event tagged with its byte range. The follower
+keeps `log_offset` = the end of the last event it fully processed; after a drop it asks a new agent exec to
+start exactly there. An event cut in half by the drop is never parsed (it is not a complete JSON line), so
+its lines are neither shown nor counted, and the next exec sends them again, once.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.errors import AgentError, ConnectError, RemoteCommandError, RunNotFound, UserError
+
+# Outcome -> process exit code (README, `dflashctl logs --help`).
+EXIT_SUCCEEDED = 0
+EXIT_FAILED = 1
+EXIT_KNOWN_CRASH = 2
+EXIT_LOST = 3
+EXIT_NO_RUN = 4
+
+# Severities of signatures that name why a run died (others are warnings: a slowdown, a recompile).
+CRASH_SEVERITIES = frozenset({"fatal", "critical", "error", "crash"})
+
+
+@dataclass
+class Backoff:
+    """Reconnect schedule: initial, initial*factor, ... capped, each plus up to `jitter` of itself.
+
+    `give_up_s`: total seconds without a working connection after which the follow ends as "lost".
+    """
+
+    initial: float = 1.0
+    factor: float = 2.0
+    cap: float = 30.0
+    jitter: float = 0.2
+    give_up_s: float = 900.0
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before reconnect number `attempt` (0-based)."""
+        base = min(self.cap, self.initial * (self.factor ** max(0, attempt)))
+        return base + (rng or random).uniform(0, self.jitter * base)
+
+
+@dataclass
+class FollowOutcome:
+    """How a follow (or a one-shot look) ended.
+
+    state: succeeded | failed | crashed | running (one-shot look at a live run) | lost (connection gone
+    for good).
+    """
+
+    run_id: str | None
+    experiment: str | None
+    state: str
+    exit: dict | None = None
+    matches: list = field(default_factory=list)
+    alerts: list = field(default_factory=list)
+    lines: int = 0
+    reconnects: int = 0
+    offsets: dict = field(default_factory=dict)
+    baseline: dict | None = None
+    error: str | None = None
+
+    @property
+    def crash_matches(self) -> list:
+        return [m for m in self.matches if _severity(m) in CRASH_SEVERITIES]
+
+    @property
+    def exit_code(self) -> int:
+        """0 succeeded (or still running), 1 failed, 2 died with a known crash signature, 3 lost."""
+        if self.state == "lost":
+            return EXIT_LOST
+        if self.state in ("succeeded", "running"):
+            return EXIT_SUCCEEDED
+        return EXIT_KNOWN_CRASH if self.crash_matches else EXIT_FAILED
+
+    def to_dict(self) -> dict:
+        return {
+            "run_id": self.run_id,
+            "experiment": self.experiment,
+            "state": self.state,
+            "exit": self.exit,
+            "exit_code": self.exit_code,
+            "lines": self.lines,
+            "reconnects": self.reconnects,
+            "offsets": self.offsets,
+            "baseline": self.baseline,
+            "matches": [_match_dict(m) for m in self.matches],
+            "alerts": [_plain(a) for a in self.alerts],
+            "error": self.error,
+        }
+
+
+def _severity(match: Any) -> str:
+    sig = getattr(match, "signature", None)
+    value = getattr(match, "severity", None) or getattr(sig, "severity", None)
+    if value is None and isinstance(match, dict):
+        value = match.get("severity")
+    return str(value or "error").lower()
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return obj
+    for name in ("to_dict", "model_dump", "as_dict"):
+        fn = getattr(obj, name, None)
+        if callable(fn):
+            return fn()
+    if hasattr(obj, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.asdict(obj)
+    return {"text": str(obj)}
+
+
+def _match_dict(match: Any) -> dict:
+    return _plain(match)
+
+
+class _Stop(Exception):
+    """A consumer callback failed; the follow stops and re-raises it."""
+
+
+class _Follower:
+    """State of one follow across reconnects. Events are handled on the transport's reader thread, one at a
+    time and in order; the offsets only move after an event is fully handled."""
+
+    def __init__(self, *, on_line, on_match, on_alert, on_event, matcher, health):
+        self.on_line = on_line
+        self.on_match = on_match
+        self.on_alert = on_alert
+        self.on_event = on_event
+        self.matcher = matcher
+        self.health = health
+        self.run_id: str | None = None
+        self.experiment: str | None = None
+        self.baseline: dict | None = None
+        self.log_offset: int | None = None
+        self.metrics_offset = 0
+        self.lines = 0
+        self.matches: list = []
+        self.alerts: list = []
+        self.last_event = time.monotonic()
+        self.progress = False  # an event arrived during the current attempt
+        self.failure: BaseException | None = None
+
+    # ---- events
+
+    def handle(self, ev: dict) -> None:
+        self.last_event = time.monotonic()
+        self.progress = True
+        if self.failure is not None:
+            return
+        try:
+            self._handle(ev)
+        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread by follow()
+            self.failure = exc
+
+    def _handle(self, ev: dict) -> None:
+        kind = ev.get("event")
+        if self.on_event is not None:
+            self.on_event(ev)
+        if kind == "run":
+            self.run_id = ev.get("run_id") or self.run_id
+            self.experiment = ev.get("experiment") or self.experiment
+            if ev.get("baseline") is not None:
+                self.baseline = ev["baseline"]
+                if self.health is not None:
+                    self.health.set_baseline(self.baseline)
+            if self.log_offset is None:
+                self.log_offset = int(ev.get("offset") or 0)
+        elif kind == "data":
+            self._data(ev)
+        elif kind == "metrics":
+            self._metrics(ev)
+        elif kind == "heartbeat":
+            if self.health is not None:
+                self._alerts(self.health.heartbeat(ev))
+        elif kind == "truncated":
+            self.log_offset = 0
+
+    def _data(self, ev: dict) -> None:
+        start, end = int(ev["offset"]), int(ev["next"])
+        raw = base64.b64decode(ev["b64"]) if "b64" in ev else ev.get("text", "").encode("utf-8")
+        expected = self.log_offset if self.log_offset is not None else start
+        if end <= expected:
+            return  # already shown (cannot happen with a well-behaved agent; costs nothing to guard)
+        if start < expected:
+            raw = raw[expected - start:]
+        elif start > expected:
+            raise RemoteCommandError(f"log stream skipped bytes {expected}..{start} of run {self.run_id}")
+        text = raw.decode("utf-8", errors="replace")
+        parts = text.split("\n")
+        if parts and parts[-1] == "":
+            parts.pop()
+        for line in parts:
+            if line.endswith("\r"):
+                line = line[:-1]
+            self.lines += 1
+            if self.matcher is not None:
+                for match in self.matcher.feed_line(line) or ():
+                    self.matches.append(match)
+                    if self.on_match is not None:
+                        self.on_match(match)
+            if self.on_line is not None:
+                self.on_line(line)
+        self.log_offset = end
+        if self.health is not None:
+            self._alerts(self.health.log_activity(end))
+
+    def _metrics(self, ev: dict) -> None:
+        start, end = int(ev["offset"]), int(ev["next"])
+        if end <= self.metrics_offset:
+            return
+        if start != self.metrics_offset:
+            # Metrics chunks are whole lines too; an overlap means a resent chunk: skip it whole.
+            if start < self.metrics_offset:
+                return
+        if self.health is not None:
+            self._alerts(self.health.metrics(ev.get("records") or []))
+        self.metrics_offset = end
+
+    def _alerts(self, alerts) -> None:
+        for alert in alerts or ():
+            self.alerts.append(alert)
+            if self.on_alert is not None:
+                self.on_alert(alert)
+
+    def finish_matcher(self) -> None:
+        if self.matcher is None:
+            return
+        finish = getattr(self.matcher, "finish", None)
+        for match in (finish() if callable(finish) else None) or ():
+            self.matches.append(match)
+            if self.on_match is not None:
+                self.on_match(match)
+
+
+def _abort(target) -> None:
+    """Cut the current exec: closing the SSH connection ends the channel (the next exec reconnects).
+    A local target has nothing to cut."""
+    transport = getattr(target, "transport", None)
+    for name in ("abort", "close"):
+        fn = getattr(transport, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - best effort: the connection is being dropped anyway
+                pass
+            return
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a failed tail exec is worth a reconnect (a dead connection) rather than an error to show."""
+    from orchestrator.errors import HostKeyError
+
+    if isinstance(exc, HostKeyError):
+        return False  # a changed or unknown host key never fixes itself
+    if isinstance(exc, AgentError):
+        return exc.agent_type in ("AgentDied",)
+    if isinstance(exc, (ConnectError, RemoteCommandError, EOFError, OSError)):
+        return True
+    return type(exc).__module__.startswith("paramiko")
+
+
+def follow(
+    target,
+    run_id: str | None = None,
+    *,
+    experiment: str | None = None,
+    offset: int = 0,
+    tail: int | None = None,
+    follow: bool = True,
+    on_line: Callable[[str], None] | None = None,
+    on_match: Callable[[Any], None] | None = None,
+    on_alert: Callable[[Any], None] | None = None,
+    on_status: Callable[[str], None] | None = None,
+    on_event: Callable[[dict], None] | None = None,
+    matcher=None,
+    health=None,
+    backoff: Backoff | None = None,
+    heartbeat: float = 2.0,
+    heartbeat_timeout: float | None = None,
+    baseline: bool = True,
+    sleep: Callable[[float], None] = time.sleep,
+    rng: random.Random | None = None,
+) -> FollowOutcome:
+    """Show (follow=False) or follow a run's log until it ends, reconnecting as needed.
+
+    Args:
+        target: a Target (LocalTarget / ContainerTarget).
+        run_id: the run; None: the newest run of `experiment` (or the newest of all). Once the agent has
+            named the run, every reconnect asks for that run id.
+        offset: byte offset in train.log to start at (ignored when `tail` is given and offset is 0).
+        tail: start at the last N complete lines.
+        follow: False: print what is there and report the current state (one exec, no reconnect).
+        on_line: called with each log line (no newline), exactly once, in order.
+        on_match: called with each signature match (from `matcher.feed_line`).
+        on_alert: called with each monitor alert (from `health`).
+        on_status: called with human notes ("connection lost; reconnecting in 2.1 s").
+        on_event: called with every raw agent event (for --json).
+        matcher: object with `feed_line(line) -> list[Match]` and optionally `finish() -> list[Match]`.
+        health: object with `set_baseline(dict)`, `metrics(records)`, `heartbeat(event)`,
+            `log_activity(offset)`, each returning a list of alerts (see LogHealth).
+        backoff: reconnect schedule and give-up time.
+        heartbeat: seconds between the agent's heartbeats.
+        heartbeat_timeout: silence (no event at all) after which the connection is treated as dead and cut;
+            default 5 heartbeats + 10 s.
+        baseline: ask the agent for the last good run's throughput.
+    Returns:
+        FollowOutcome (state lost when the connection stayed down for `backoff.give_up_s`).
+    Raises:
+        RunNotFound: no such run in the target.
+        AgentError / ConnectError: a failure that reconnecting cannot fix (a bad request, a host key).
+    """
+    backoff = backoff or Backoff()
+    heartbeat_timeout = heartbeat_timeout if heartbeat_timeout is not None else 5 * heartbeat + 10
+    st = _Follower(on_line=on_line, on_match=on_match, on_alert=on_alert, on_event=on_event,
+                   matcher=matcher, health=health)
+    st.run_id = run_id
+    st.experiment = experiment
+    if offset:
+        st.log_offset = int(offset)
+    attempt = 0
+    reconnects = 0
+    down_since: float | None = None
+    last_error = ""
+    while True:
+        request: dict[str, Any] = {
+            "run_id": st.run_id,
+            "experiment": None if st.run_id else st.experiment,
+            "follow": follow,
+            "metrics": follow,
+            "metrics_offset": st.metrics_offset,
+            "heartbeat": heartbeat,
+            "baseline": baseline and st.baseline is None and follow,
+        }
+        if st.log_offset is None:
+            request["offset"] = 0
+            request["tail"] = tail
+        else:
+            request["offset"] = st.log_offset
+        st.progress = False
+        st.last_event = time.monotonic()
+        stalled = threading.Event()
+        done = threading.Event()
+
+        def watchdog() -> None:
+            while not done.wait(min(1.0, heartbeat_timeout / 4)):
+                if time.monotonic() - st.last_event > heartbeat_timeout or st.failure is not None:
+                    stalled.set()
+                    _abort(target)
+                    return
+
+        dog = threading.Thread(target=watchdog, name="tail-watchdog", daemon=True)
+        if follow:
+            dog.start()
+        error: BaseException | None = None
+        result: dict | None = None
+        try:
+            result = target.agent("tail", request, on_event=st.handle, timeout=None)
+        except AgentError as exc:
+            if exc.agent_type == "RunNotFound":
+                raise RunNotFound(exc.message, fix=exc.fix) from None
+            error = exc
+        except (ConnectError, RemoteCommandError, EOFError, OSError) as exc:
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - paramiko's own exceptions, classified below
+            if not _transient(exc):
+                raise
+            error = exc
+        finally:
+            done.set()
+        if st.failure is not None:
+            raise st.failure
+        if result is not None and not stalled.is_set():
+            st.finish_matcher()
+            state = str(result.get("state") or "running")
+            outcome = FollowOutcome(
+                run_id=result.get("run_id") or st.run_id, experiment=st.experiment, state=state,
+                exit=result.get("exit"), matches=st.matches, alerts=st.alerts, lines=st.lines,
+                reconnects=reconnects, offsets={"log": st.log_offset, "metrics": st.metrics_offset},
+                baseline=st.baseline,
+            )
+            if health is not None:
+                outcome.alerts.extend(health.finished(outcome) or [])
+            return outcome
+        # The exec ended without a result: the connection dropped (or went silent and was cut).
+        if error is not None and not _transient(error) and not stalled.is_set():
+            raise error
+        if not follow:
+            raise error if error is not None else ConnectError("the tail exec ended without a result")
+        last_error = "no heartbeat for %.0f s" % heartbeat_timeout if stalled.is_set() else str(error or "ended")
+        now = time.monotonic()
+        if st.progress:
+            attempt, down_since = 0, None
+        if down_since is None:
+            down_since = now
+        if now - down_since >= backoff.give_up_s:
+            st.finish_matcher()
+            return FollowOutcome(
+                run_id=st.run_id, experiment=st.experiment, state="lost", matches=st.matches, alerts=st.alerts,
+                lines=st.lines, reconnects=reconnects, baseline=st.baseline,
+                offsets={"log": st.log_offset, "metrics": st.metrics_offset},
+                error=f"connection lost for {now - down_since:.0f} s: {last_error.splitlines()[0] if last_error else ''}",
+            )
+        delay = min(backoff.delay(attempt, rng), max(0.0, backoff.give_up_s - (now - down_since)))
+        if on_status is not None:
+            on_status(f"connection lost ({last_error.splitlines()[0] if last_error else 'no detail'}); "
+                      f"reconnecting in {delay:.1f} s")
+        sleep(delay)
+        attempt += 1
+        reconnects += 1
+
+
+def resolve(inv, ref: str | None, target: str | None) -> tuple[str, str | None, str | None]:
+    """Which target and run `dflashctl logs [RUN|EXPERIMENT] [--target T]` means.
+
+    Returns:
+        (target name, run id or None, experiment or None): an experiment name in the inventory means its
+        newest run on its target; anything else is a run id (on --target, else the default target).
+    Raises:
+        UserError: the name is not a safe run id.
+    """
+    from orchestrator.inventory import check_name
+
+    if ref is not None:
+        check_name("run", ref)
+        if ref in inv.experiments:
+            exp = inv.experiments[ref]
+            return target or exp.target, None, ref
+    return target or inv.default_target(), ref, None
+
+
+class LogHealth:
+    """The follower's health checks over the streamed metrics and heartbeats.
+
+    Throughput regression and memory growth come from `orchestrator.monitor` (when that module is present);
+    the hang check lives here because only the follower sees heartbeats: the session is alive, yet neither
+    train.log nor metrics.jsonl grew for `hang_seconds`. Each method returns the new alerts (dicts with at
+    least `kind` and `message`); a hang alert fires once per silent stretch.
+
+    Args:
+        cfg: the inventory's `monitor:` section (regression_fraction, regression_seconds, hang_seconds,
+            memory_growth_seconds).
+        clock: seconds (monotonic); tests pass a fake.
+    """
+
+    def __init__(self, cfg, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.hang_seconds = float(getattr(cfg, "hang_seconds", 600))
+        self._last_sizes: tuple | None = None
+        self._last_change = clock()
+        self._hang_reported = False
+        self._monitors = self._build_monitors()
+
+    def _build_monitors(self) -> list:
+        try:
+            from orchestrator import monitor
+        except ImportError:
+            return []
+        return monitor.build_monitors(self.cfg) if hasattr(monitor, "build_monitors") else []
+
+    def set_baseline(self, baseline: dict) -> None:
+        for mon in self._monitors:
+            fn = getattr(mon, "set_baseline", None)
+            if callable(fn):
+                fn(baseline)
+
+    def metrics(self, records: list[dict]) -> list:
+        self._activity()
+        alerts: list = []
+        for rec in records:
+            for mon in self._monitors:
+                alerts.extend(mon.feed(rec) or [])
+        return alerts
+
+    def log_activity(self, offset: int) -> list:
+        self._activity()
+        return []
+
+    def _activity(self) -> None:
+        self._last_change = self.clock()
+        self._hang_reported = False
+
+    def heartbeat(self, ev: dict) -> list:
+        now = self.clock()
+        sizes = (ev.get("log_size"), ev.get("metrics_size"))
+        if sizes != self._last_sizes:
+            self._last_sizes = sizes
+            self._activity()
+            return []
+        if ev.get("session_alive") is not True or self._hang_reported:
+            return []
+        silent = now - self._last_change
+        if silent >= self.hang_seconds:
+            self._hang_reported = True
+            return [{
+                "kind": "hang",
+                "severity": "error",
+                "message": f"the run's session is alive but its log and metrics have not grown for {silent:.0f} s",
+                "silent_s": round(silent, 1),
+                "fix": "look at the GPUs (dflashctl status) and the pane (dflashctl attach); "
+                       "a stuck NCCL collective or a dead data worker are the usual causes",
+            }]
+        return []
+
+    def finished(self, outcome: FollowOutcome) -> list:
+        return []
+
+
+def build_matcher(inv):
+    """The signature matcher over the shipped catalogue plus the inventory's `signatures:`; None if the
+    signatures module is not available."""
+    try:
+        from orchestrator.signatures import Matcher, load_catalogue
+    except ImportError:
+        return None
+    return Matcher(load_catalogue(inv.signatures))
+
+
+def _notify(inv, event: dict) -> None:
+    cfg = inv.notify
+    if not (cfg.webhook or cfg.command):
+        return
+    try:
+        from orchestrator.notify import notify
+    except ImportError:
+        return
+    notify(cfg, event)
+
+
+def notification(kind: str, outcome_or_alert, run_id: str | None, experiment: str | None) -> dict:
+    """The event sent to the notifier: what happened to which run, and the diagnosis."""
+    if isinstance(outcome_or_alert, FollowOutcome):
+        o = outcome_or_alert
+        first = o.crash_matches[0] if o.crash_matches else None
+        return {"kind": kind, "run_id": run_id, "experiment": experiment, "state": o.state, "exit": o.exit,
+                "diagnosis": _match_dict(first) if first is not None else None}
+    return {"kind": kind, "run_id": run_id, "experiment": experiment, "alert": _plain(outcome_or_alert)}
+
+
+def logs(inv, ref: str | None = None, *, target: str | None = None, following: bool = True, tail: int | None = None,
+         on_line=None, on_match=None, on_alert=None, on_status=None, on_event=None,
+         backoff: Backoff | None = None) -> FollowOutcome:
+    """The whole `dflashctl logs` verb: resolve, open the target, match signatures, watch health, notify.
+
+    Raises:
+        RunNotFound, UserError, InventoryError, ConnectError: as `follow` and `resolve`.
+    """
+    if tail is not None and tail < 0:
+        raise UserError(f"--tail must be >= 0, got {tail}", fix="dflashctl logs RUN --tail 100")
+    target_name, run_id, experiment = resolve(inv, ref, target)
+    from orchestrator.target import open_target
+
+    tgt = open_target(inv, target_name)
+    seen: dict = {}
+
+    def alert(a) -> None:
+        # Hangs and regressions are worth a message while the run still goes on.
+        _notify(inv, notification(str(_plain(a).get("kind", "alert")), a, seen.get("run_id"), seen.get("experiment")))
+        if on_alert is not None:
+            on_alert(a)
+
+    def event(ev: dict) -> None:
+        if ev.get("event") == "run":
+            seen.update(run_id=ev.get("run_id"), experiment=ev.get("experiment"))
+        if on_event is not None:
+            on_event(ev)
+
+    try:
+        outcome = follow(
+            tgt, run_id, experiment=experiment, tail=tail, follow=following, on_line=on_line, on_match=on_match,
+            on_alert=alert, on_status=on_status, on_event=event, matcher=build_matcher(inv),
+            health=LogHealth(inv.monitor) if following else None, backoff=backoff,
+        )
+    finally:
+        tgt.close()
+    if following and outcome.state != "running":
+        kind = {"succeeded": "completion", "lost": "lost"}.get(outcome.state, "crash")
+        _notify(inv, notification(kind, outcome, outcome.run_id, outcome.experiment))
+    return outcome
