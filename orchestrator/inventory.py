@@ -451,6 +451,8 @@ def _format_errors(exc: ValidationError, raw: Any, lines: dict, source: str) -> 
     out = []
     for err in exc.errors():
         path, tags = _data_path(raw, tuple(err["loc"]))
+        if err["type"] == "union_tag_invalid":
+            path.append("kind")  # point at the `kind:` line itself
         line = _line_for(lines, path)
         where = f"{source}:{line}" if line else source
         dotted = ".".join(path) or "(top level)"
@@ -473,8 +475,8 @@ def _format_errors(exc: ValidationError, raw: Any, lines: dict, source: str) -> 
             msg = err["msg"]
             if "input" in err and not isinstance(err["input"], (dict, list)):
                 msg += f" (got {err['input']!r})"
-        out.append(f"{where}: {dotted}: {msg}")
-    return out
+        out.append((line or 0, f"{where}: {dotted}: {msg}"))
+    return [text for _, text in sorted(out, key=lambda item: item[0])]
 
 
 # ------------------------------------------------------------------------------------ references

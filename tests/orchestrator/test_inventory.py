@@ -1,0 +1,274 @@
+"""inventory.yaml: models, lookup order, and error messages that name file:line:key."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import InventoryError, UserError
+from orchestrator.inventory import (
+    EMBEDDED,
+    CommandExperiment,
+    ContainerTargetSpec,
+    DflashExperiment,
+    check_name,
+    embedded_text,
+    load_inventory,
+    parse_inventory,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+BASE = """\
+hosts:
+  pve1:
+    ssh: pve1.lan
+targets:
+  local:
+    kind: local
+    workdir: /tmp/x
+    venv: workstation
+  ct200:
+    kind: container
+    host: pve1
+    ctid: 200
+    workdir: /root/dflash
+    venv: cuda
+venvs:
+  workstation:
+    kind: workstation
+  cuda:
+    kind: uv
+    lock: cuda
+experiments:
+  tiny:
+    kind: dflash
+    target: local
+    layout: {target_gpus: [], drafter_gpus: []}
+    trainer:
+      max_steps: 5
+  cmd:
+    kind: command
+    target: ct200
+    command: [python, train.py]
+    gpus: [0, 1]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "inventory.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def load_error(tmp_path: Path, text: str) -> str:
+    p = write(tmp_path, text)
+    with pytest.raises(InventoryError) as info:
+        load_inventory(p)
+    return info.value.message
+
+
+def line_of(text: str, needle: str) -> int:
+    """1-based line of the first line containing needle."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if needle in line:
+            return n
+    raise AssertionError(needle)
+
+
+# ---------------------------------------------------------------- the shipped file
+
+
+def test_shipped_inventory_has_tiny_and_the_worked_example():
+    inv = load_inventory(REPO / "inventory.yaml")
+    tiny = inv.experiment("tiny")
+    assert isinstance(tiny, DflashExperiment)
+    assert tiny.target == "local" and tiny.layout.colocated
+    assert inv.target("local").kind == "local" and inv.target("local").venv == "workstation"
+    assert inv.venv("workstation").kind == "workstation"
+
+    exp = inv.experiment("exp-ddtree-expanded")
+    assert exp.layout.target_gpus == [0, 1, 2, 3, 4]
+    assert exp.layout.drafter_gpus == [5, 6, 7]
+    assert exp.trainer.data.token_budget == 49152
+    assert exp.trainer.data.max_batch_size == 64
+    assert exp.trainer.gamma == 10.0
+    ct = inv.target(exp.target)
+    assert isinstance(ct, ContainerTargetSpec) and ct.ctid == 200 and ct.host == "pve1"
+    assert inv.monitor.regression_fraction == 0.7 and inv.monitor.hang_seconds == 600
+
+
+def test_repo_file_and_packaged_default_are_the_same_text():
+    assert (REPO / "inventory.yaml").read_text() == embedded_text()
+    assert (REPO / "orchestrator" / "default_inventory.yaml").read_text() == embedded_text()
+
+
+def test_lookup_order(tmp_path, monkeypatch):
+    monkeypatch.delenv("DFLASHCTL_INVENTORY", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert load_inventory().source == EMBEDDED
+
+    user = tmp_path / "cfg" / "dflashctl" / "inventory.yaml"
+    user.parent.mkdir(parents=True)
+    user.write_text(BASE)
+    assert load_inventory().source == str(user)
+
+    cwd_file = write(empty, BASE)
+    assert load_inventory().source == str(cwd_file)
+
+    env_file = write(tmp_path, BASE, "env.yaml")
+    monkeypatch.setenv("DFLASHCTL_INVENTORY", str(env_file))
+    assert load_inventory().source == str(env_file)
+
+    explicit = write(tmp_path, BASE, "explicit.yaml")
+    assert load_inventory(explicit).source == str(explicit)
+
+
+def test_missing_explicit_file_is_named(tmp_path, monkeypatch):
+    with pytest.raises(InventoryError, match=r"nope\.yaml.*--inventory.*does not exist"):
+        load_inventory(tmp_path / "nope.yaml")
+    monkeypatch.setenv("DFLASHCTL_INVENTORY", str(tmp_path / "gone.yaml"))
+    with pytest.raises(InventoryError, match=r"gone\.yaml.*DFLASHCTL_INVENTORY"):
+        load_inventory()
+
+
+def test_base_parses_and_resolves(tmp_path):
+    inv = load_inventory(write(tmp_path, BASE))
+    assert isinstance(inv.experiment("cmd"), CommandExperiment)
+    assert inv.venv_for("cmd")[0] == "cuda"
+    assert inv.venv_for("tiny")[0] == "workstation"
+    assert inv.experiment("tiny").trainer.max_steps == 5
+    assert inv.line_of("experiments", "tiny") == line_of(BASE, "  tiny:")
+
+
+# ---------------------------------------------------------------- bad files
+
+
+def test_unknown_key_names_file_line_key_and_suggests(tmp_path):
+    text = BASE.replace("    layout: {", "    layuot: {")
+    msg = load_error(tmp_path, text)
+    n = line_of(text, "layuot")
+    assert f"inventory.yaml:{n}: experiments.tiny.layuot: unknown key; did you mean 'layout'?" in msg
+
+
+def test_unknown_key_in_a_container_target_drops_the_union_tag(tmp_path):
+    text = BASE.replace("    ctid: 200", "    ctid: 200\n    gpu_idel_mib: 5")
+    msg = load_error(tmp_path, text)
+    assert f":{line_of(text, 'gpu_idel_mib')}: targets.ct200.gpu_idel_mib: unknown key; did you mean 'gpu_idle_mib'?" in msg
+
+
+def test_unknown_key_inside_trainer_config(tmp_path):
+    text = BASE.replace("      max_steps: 5", "      max_steps: 5\n      data: {token_budgt: 4}")
+    msg = load_error(tmp_path, text)
+    assert f":{line_of(text, 'token_budgt')}: experiments.tiny.trainer.data.token_budgt: unknown key; did you mean 'token_budget'?" in msg
+
+
+def test_wrong_type_names_line_and_value(tmp_path):
+    text = BASE.replace("ctid: 200", "ctid: two-hundred")
+    msg = load_error(tmp_path, text)
+    assert f"inventory.yaml:{line_of(text, 'two-hundred')}: targets.ct200.ctid:" in msg
+    assert "two-hundred" in msg
+
+
+def test_invalid_trainer_value_is_reported_with_its_line(tmp_path):
+    text = BASE.replace("max_steps: 5", "max_steps: 0")
+    msg = load_error(tmp_path, text)
+    assert f":{line_of(text, 'max_steps: 0')}: experiments.tiny.trainer.max_steps:" in msg
+
+
+def test_missing_required_key_points_at_its_parent(tmp_path):
+    text = BASE.replace("    host: pve1\n", "")
+    msg = load_error(tmp_path, text)
+    assert f":{line_of(text, '  ct200:')}: targets.ct200.host: required key is missing" in msg
+
+
+def test_unknown_kind(tmp_path):
+    text = BASE.replace("kind: container", "kind: vm")
+    msg = load_error(tmp_path, text)
+    assert f":{line_of(text, 'kind: vm')}: targets.ct200.kind: unknown kind" in msg
+    assert "unknown kind 'vm'" in msg and "container" in msg
+
+
+def test_bad_names_are_refused_with_line(tmp_path):
+    for bad in ("../evil", "a;b", "$(id)", "a b", "-x", "x" * 65):
+        text = BASE.replace("  tiny:", f"  {bad!r}:")
+        msg = load_error(tmp_path, text)
+        assert f":{line_of(text, repr(bad))}: experiments." in msg and "unsafe name" in msg, bad
+
+
+def test_dangling_references(tmp_path):
+    text = BASE.replace("target: local", "target: locl")
+    msg = load_error(tmp_path, text)
+    assert f":{line_of(text, 'target: locl')}: experiments.tiny.target: no target named 'locl'; did you mean 'local'?" in msg
+
+    text = BASE.replace("host: pve1", "host: pve9")
+    assert "targets.ct200.host: no host named 'pve9'" in load_error(tmp_path, text)
+
+    text = BASE.replace("    venv: cuda", "    venv: gpu")
+    assert "targets.ct200.venv: no venv profile named 'gpu'" in load_error(tmp_path, text)
+
+
+def test_container_workdir_must_be_absolute(tmp_path):
+    text = BASE.replace("workdir: /root/dflash", "workdir: dflash")
+    msg = load_error(tmp_path, text)
+    assert f":{line_of(text, 'workdir: dflash')}: targets.ct200.workdir: must be an absolute path" in msg
+
+
+def test_gpu_lists_must_be_disjoint(tmp_path):
+    text = BASE.replace("target: local\n    layout: {target_gpus: [], drafter_gpus: []}",
+                        "target: ct200\n    layout: {target_gpus: [0, 1, 2], drafter_gpus: [2, 3]}")
+    msg = load_error(tmp_path, text)
+    assert "experiments.tiny.layout: GPU [2] is in both target_gpus and drafter_gpus" in msg
+
+
+def test_duplicate_key_and_yaml_syntax(tmp_path):
+    text = BASE.replace("  cmd:", "  tiny:")
+    msg = load_error(tmp_path, text)
+    assert "experiments.tiny: duplicate key (first at line" in msg
+
+    msg = load_error(tmp_path, "targets:\n  local: [unclosed\n")
+    assert "inventory.yaml:" in msg and "YAML syntax error" in msg
+
+
+def test_all_errors_reported_at_once(tmp_path):
+    text = BASE.replace("    layout: {", "    layuot: {").replace("ctid: 200", "ctid: x")
+    msg = load_error(tmp_path, text)
+    assert "layuot" in msg and "ctid" in msg and len(msg.splitlines()) >= 2
+
+
+# ---------------------------------------------------------------- names from the command line
+
+
+def test_misspelt_names_get_a_suggestion(tmp_path):
+    inv = load_inventory(write(tmp_path, BASE))
+    with pytest.raises(InventoryError, match=r"no experiment 'tinyy'.*did you mean 'tiny'\?"):
+        inv.experiment("tinyy")
+    with pytest.raises(InventoryError, match=r"no target 'ct20'.*did you mean 'ct200'\?"):
+        inv.target("ct20")
+    with pytest.raises(InventoryError, match=r"no host 'pve'.*did you mean 'pve1'\?"):
+        inv.host("pve")
+    with pytest.raises(InventoryError) as info:
+        inv.experiment("zzzzzz")
+    assert "did you mean" not in info.value.message and "known: cmd, tiny" in info.value.message
+
+
+@pytest.mark.parametrize("bad", ["", "..", "a/b", "../x", "a..b", "$(id)", "a;b", "`x`", "a b", "-rf", "é", "x" * 65, "a\nb"])
+def test_check_name_refuses_unsafe(bad):
+    with pytest.raises(UserError, match="bad tag name"):
+        check_name("tag", bad)
+
+
+@pytest.mark.parametrize("good", ["tiny", "exp-ddtree-expanded", "run_1.2", "A", "x" * 64])
+def test_check_name_accepts_safe(good):
+    assert check_name("tag", good) == good
+
+
+def test_lookup_refuses_unsafe_name_before_searching(tmp_path):
+    inv = load_inventory(write(tmp_path, BASE))
+    with pytest.raises(UserError, match="bad experiment name"):
+        inv.experiment("../tiny")
