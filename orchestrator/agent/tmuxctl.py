@@ -1,0 +1,125 @@
+"""tmux inside the target, through libtmux: the sessions runs live in.
+
+A run's session is `dflash-<experiment>` on the target's default tmux server (the one `tmux attach -t
+dflash-<experiment>` reaches by hand; in a container /tmp, and so the server, is the container's own).
+Each session carries the user option `@dflash_run` = the run id, so a run's state is read from the session
+that really runs it, never from a later run of the same experiment.
+
+libtmux is imported lazily (the agent module must import under a bare python3); a target without it gets
+a clear AgentFailure instead of an ImportError.
+"""
+
+from __future__ import annotations
+
+from orchestrator.agent.protocol import AgentFailure
+
+SESSION_PREFIX = "dflash-"
+RUN_OPTION = "@dflash_run"
+# One `list-panes -a` answers for every session at once (one tmux round trip for status).
+_FIELDS = ("session_name", "pane_pid", "pane_dead", "pane_dead_status", "session_created", RUN_OPTION)
+_FORMAT = "\t".join("#{" + f + "}" for f in _FIELDS)
+# What tmux says when no server runs yet: not an error, just no sessions.
+_NO_SERVER = ("no server running", "error connecting to", "no such file or directory")
+
+
+def session_name(experiment: str) -> str:
+    """The tmux session of an experiment's runs: `dflash-<experiment>`."""
+    return SESSION_PREFIX + experiment
+
+
+def _server():
+    try:
+        import libtmux
+    except ImportError as exc:
+        raise AgentFailure(
+            "LibtmuxMissing",
+            f"libtmux is not importable by the target's interpreter ({exc})",
+            fix="dflashctl rebuild-venv (the venv lock includes libtmux)",
+        ) from None
+    try:
+        return libtmux.Server()
+    except Exception as exc:  # noqa: BLE001 - libtmux raises its own TmuxCommandNotFound
+        raise AgentFailure("TmuxMissing", f"tmux is not usable in the target: {exc}", fix="apt-get install -y tmux") from None
+
+
+def _cmd(server, *args: str):
+    try:
+        return server.cmd(*args)
+    except Exception as exc:  # noqa: BLE001 - e.g. tmux binary missing
+        raise AgentFailure("TmuxMissing", f"tmux {args[0]} failed: {exc}", fix="apt-get install -y tmux") from None
+
+
+def parse_panes(lines: list[str]) -> list[dict]:
+    """Parse `list-panes -a -F _FORMAT` output into one dict per session (its first pane).
+
+    Returns:
+        [{name, pane_pid, dead, dead_status, created, run_id}], in tmux's order.
+    """
+    out: dict[str, dict] = {}
+    for line in lines:
+        parts = line.split("\t")
+        if len(parts) != len(_FIELDS):
+            continue
+        name, pid, dead, status, created, run_id = parts
+        if name in out:
+            continue
+        out[name] = {
+            "name": name,
+            "pane_pid": int(pid) if pid.isdigit() else None,
+            "dead": dead == "1",
+            "dead_status": int(status) if status.lstrip("-").isdigit() else None,
+            "created": int(created) if created.isdigit() else None,
+            "run_id": run_id or None,
+        }
+    return list(out.values())
+
+
+def list_sessions() -> list[dict]:
+    """Every session on the target's tmux server (see parse_panes); [] when no server runs."""
+    server = _server()
+    res = _cmd(server, "list-panes", "-a", "-F", _FORMAT)
+    if res.returncode != 0:
+        text = " ".join(res.stderr).lower()
+        if any(s in text for s in _NO_SERVER):
+            return []
+        raise AgentFailure("TmuxFailed", f"tmux list-panes failed: {' '.join(res.stderr)[:300]}")
+    return parse_panes(res.stdout)
+
+
+def find_session(name: str) -> dict | None:
+    """The session called exactly `name`, or None."""
+    for s in list_sessions():
+        if s["name"] == name:
+            return s
+    return None
+
+
+def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
+    """Start a detached session running `command` (one shell command line, already rendered).
+
+    remain-on-exit and the run id are set in the same tmux command list as new-session, so they are in place
+    before the command can end (a pane that dies at once still shows its status).
+
+    Raises:
+        AgentFailure("TmuxFailed"): tmux refused (e.g. the name exists: a race lost to another launch).
+    """
+    server = _server()
+    res = _cmd(
+        server,
+        "new-session", "-d", "-s", name, "-x", "220", "-y", "50", "-c", cwd, command,
+        ";", "set-option", "-t", name, "remain-on-exit", "on",
+        ";", "set-option", "-t", name, RUN_OPTION, run_id,
+    )
+    if res.returncode != 0:
+        raise AgentFailure("TmuxFailed", f"tmux new-session {name} failed: {' '.join(res.stderr)[:300]}")
+    found = find_session(name)
+    if found is None:
+        raise AgentFailure("TmuxFailed", f"tmux session {name} vanished right after it was created")
+    return found
+
+
+def kill_session(name: str) -> bool:
+    """Kill the session `name` (its pane gets SIGHUP). Returns whether one was there."""
+    server = _server()
+    res = _cmd(server, "kill-session", "-t", "=" + name)
+    return res.returncode == 0

@@ -1,0 +1,182 @@
+"""`stop`: end a run gracefully (SIGINT, then SIGTERM after a grace period, then SIGKILL) and optionally
+wait until its GPUs are released. Also used by `launch --replace` in the same agent call.
+
+Request: {workdir, run_id, grace_s: 20, gpus: [..], gpu_idle_mib: 1024, release_timeout_s: 120}
+Result:  {run_id, signals: ["SIGINT", ...], state, exit: {...} | null, already_ended: bool, gpus: [...]}
+
+The signals go to the command's process group (start_training.sh writes its id to runs/<id>/pid), never to
+the wrapper script or its tee: the wrapper must live on to write exit.json and to finish the log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from orchestrator.agent import runs, tmuxctl
+from orchestrator.agent.protocol import AgentFailure
+
+DEFAULT_GRACE_S = 20.0
+_POLL_S = 0.1
+# After SIGKILL the wrapper only has to notice and write exit.json.
+_AFTER_KILL_S = 10.0
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_pgid(run_dir) -> int | None:
+    try:
+        text = (run_dir / "pid").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _ended(run_dir, pgid: int | None) -> bool:
+    """The run is over when exit.json exists, or (the wrapper itself killed) nothing of the command is left."""
+    if (run_dir / "exit.json").exists():
+        return True
+    return pgid is not None and not _group_alive(pgid)
+
+
+def stop_run(workdir: str, run_id: str, grace_s: float, emit) -> dict:
+    """Stop one run; see the module docstring. Returns the result dict (without GPU waiting).
+
+    Raises:
+        AgentFailure("RunNotFound"): no such run directory.
+        AgentFailure("StopFailed"): the run still lives after SIGKILL.
+    """
+    runs.check_run_id(run_id)
+    run_dir = runs.runs_root(workdir) / run_id
+    if not run_dir.is_dir():
+        raise AgentFailure("RunNotFound", f"no run {run_id} in {runs.runs_root(workdir)}", fix="dflashctl status")
+    session = next((s for s in tmuxctl.list_sessions() if s.get("run_id") == run_id), None)
+    signals_sent: list[str] = []
+    pgid = _read_pgid(run_dir)
+    already = (run_dir / "exit.json").exists() or (pgid is None and (session is None or session["dead"]))
+    if not already:
+        if pgid is None:
+            # The wrapper has not started the command yet (or never will): signal the pane's group, whose
+            # wrapper forwards INT/TERM to the command once it exists.
+            pgid = session["pane_pid"] if session else None
+        if pgid is None:
+            already = True
+    if not already:
+        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, grace_s), (signal.SIGKILL, _AFTER_KILL_S)):
+            if _ended(run_dir, pgid):
+                break
+            name = signal.Signals(sig).name
+            emit.progress("stop", f"sending {name} to run {run_id} (process group {pgid})", signal=name)
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            signals_sent.append(name)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and not _ended(run_dir, pgid):
+                time.sleep(_POLL_S)
+        # The command is gone; give the wrapper a moment to write exit.json (it waits for tee first).
+        deadline = time.monotonic() + _AFTER_KILL_S
+        while time.monotonic() < deadline and not (run_dir / "exit.json").exists():
+            time.sleep(_POLL_S)
+        if _group_alive(pgid):
+            raise AgentFailure(
+                "StopFailed",
+                f"run {run_id}: process group {pgid} still alive after SIGKILL (uninterruptible I/O? a hung GPU?)",
+                fix="check `nvidia-smi` and `ps -eo pid,pgid,stat,cmd` in the target",
+            )
+    if session is not None:
+        # The pane is dead now (remain-on-exit kept it); free the name for the next launch.
+        tmuxctl.kill_session(session["name"])
+    exit_info = runs.read_json(run_dir / "exit.json")
+    return {
+        "run_id": run_id,
+        "signals": signals_sent,
+        "already_ended": bool(already),
+        "exit": exit_info,
+        "state": runs.state_of(exit_info, None),
+        "session": session["name"] if session else None,
+    }
+
+
+def busy_gpus(gpus: list[int], threshold_mib: int) -> tuple[list[dict], list[dict], str | None]:
+    """Which of `gpus` are not idle.
+
+    Returns:
+        (busy, seen, reason): busy = [{index, used_mib, total_mib, uuid}] using >= threshold (or missing from
+        nvidia-smi, or unreadable); seen = every GPU nvidia-smi listed; reason = why the query fell short.
+    """
+    from orchestrator.agent.gpu import query_gpus
+
+    seen, reason = query_gpus()
+    by_index = {g["index"]: g for g in seen}
+    busy = []
+    for i in gpus:
+        g = by_index.get(i)
+        if g is None:
+            busy.append({"index": i, "used_mib": None, "total_mib": None, "uuid": None, "problem": "not listed by nvidia-smi"})
+        elif g.get("used_mib") is None:
+            busy.append({**g, "problem": "memory.used not reported"})
+        elif g["used_mib"] >= threshold_mib:
+            busy.append(g)
+    return busy, seen, reason
+
+
+def describe_busy(busy: list[dict], threshold_mib: int) -> str:
+    """'GPU 5 uses 30000 MiB of 81920, GPU 6 is not listed by nvidia-smi' (limit 1024 MiB)."""
+    parts = []
+    for g in busy:
+        if g.get("problem"):
+            parts.append(f"GPU {g['index']} {g['problem']}")
+        else:
+            parts.append(f"GPU {g['index']} uses {g['used_mib']} MiB of {g.get('total_mib')}")
+    return ", ".join(parts) + f" (idle means under {threshold_mib} MiB)"
+
+
+def wait_gpus_idle(gpus: list[int], threshold_mib: int, timeout_s: float, emit) -> list[dict]:
+    """Poll nvidia-smi until every GPU of `gpus` is idle; return the last reading.
+
+    Raises:
+        AgentFailure("GpuBusy"): still busy after timeout_s (names each GPU and its MiB).
+    """
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        busy, seen, reason = busy_gpus(gpus, threshold_mib)
+        if not busy:
+            return seen
+        if time.monotonic() >= deadline:
+            raise AgentFailure(
+                "GpuBusy",
+                "GPUs not released after the old run stopped: " + describe_busy(busy, threshold_mib)
+                + (f"; {reason}" if reason else ""),
+                fix="find the holder with `nvidia-smi` in the target and end it",
+                data={"busy": busy, "threshold_mib": threshold_mib},
+            )
+        if not announced:
+            emit.progress("gpus", "waiting for GPUs to be released: " + describe_busy(busy, threshold_mib))
+            announced = True
+        time.sleep(0.5)
+
+
+def run(request: dict, emit) -> dict:
+    workdir = request["workdir"]
+    run_id = request.get("run_id")
+    if not run_id:
+        raise AgentFailure("BadRequest", "stop needs a run_id")
+    result = stop_run(workdir, run_id, float(request.get("grace_s", DEFAULT_GRACE_S)), emit)
+    gpus = [int(g) for g in request.get("gpus") or []]
+    if gpus:
+        result["gpus"] = wait_gpus_idle(
+            gpus, int(request.get("gpu_idle_mib", 1024)), float(request.get("release_timeout_s", 120)), emit
+        )
+    return result

@@ -1,0 +1,234 @@
+"""launch: turn an experiment into one `launch` agent call in its target, and keep a workstation record.
+
+Every name that reaches the target (experiment, tag, and so the run id) is checked HERE, before any
+transport is touched: a hostile tag never costs a `pct exec`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orchestrator.errors import AgentError, PreflightError, UserError
+
+# Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
+REFUSALS = {"GpuBusy", "SessionExists", "VenvMismatch", "LockHeld"}
+DEFAULT_GRACE_S = 20.0
+DEFAULT_RELEASE_TIMEOUT_S = 120.0
+
+
+def check_name(kind: str, value: str) -> str:
+    """The inventory's name rule (safe in paths and shells); see orchestrator.inventory.check_name."""
+    from orchestrator.inventory import check_name as _check
+
+    return _check(kind, value)
+
+
+@dataclass
+class LaunchSpec:
+    """What to launch, resolved from the inventory (or built directly by tests and scripts)."""
+
+    experiment: str
+    kind: str
+    """`dflash` (the bundled trainer) or `command` (any argv)."""
+    target: str
+    """Target name (recorded; the Target object is passed separately)."""
+    tag: str | None = None
+    command: list[str] = field(default_factory=list)
+    """kind command: the argv."""
+    env: dict[str, str] = field(default_factory=dict)
+    """kind command: extra environment."""
+    gpus: list[int] = field(default_factory=list)
+    """Every GPU the run occupies (checked idle; CUDA_VISIBLE_DEVICES for kind command)."""
+    layout: dict | None = None
+    """kind dflash: {target_gpus, drafter_gpus}."""
+    config: dict | None = None
+    """kind dflash: the resolved TrainConfig as a dict (written to runs/<id>/config.json)."""
+    gpu_idle_mib: int = 1024
+    venv_profile: dict = field(default_factory=dict)
+    lock_hash: str | None = None
+    """The expected venv lock hash; None: no lock to compare (the workstation interpreter)."""
+
+    def validate(self) -> None:
+        """Raises UserError for an unsafe experiment/target/tag name or an unknown kind."""
+        check_name("experiment", self.experiment)
+        check_name("target", self.target)
+        if self.tag is not None:
+            check_name("tag", self.tag)
+        if self.kind not in ("dflash", "command"):
+            raise UserError(f"experiment {self.experiment}: unknown kind {self.kind!r}", fix="use kind: dflash or kind: command")
+        if self.kind == "command" and not self.command:
+            raise UserError(f"experiment {self.experiment}: kind command needs a `command:` argv")
+
+
+def make_run_id(experiment: str, tag: str | None, now: _dt.datetime | None = None) -> str:
+    """`<experiment>[-<tag>]-<YYYYmmddTHHMMSSZ>` (UTC); only safe characters, since the parts are checked."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    stamp = now.astimezone(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return "-".join(p for p in (experiment, tag, stamp) if p)
+
+
+def spec_from_inventory(inv, experiment: str, target: str | None = None, tag: str | None = None) -> LaunchSpec:
+    """Resolve an experiment of the inventory into a LaunchSpec.
+
+    Raises:
+        InventoryError / UserError: unknown or unsafe names.
+    """
+    exp = inv.experiment(experiment)
+    tname = target or exp.target
+    tspec = inv.target(tname)
+    vname = exp.venv or tspec.venv
+    vspec = inv.venv(vname)
+    spec = LaunchSpec(
+        experiment=experiment,
+        kind=exp.kind,
+        target=tname,
+        tag=tag,
+        gpu_idle_mib=getattr(tspec, "gpu_idle_mib", 1024),
+        venv_profile={"name": vname, **vspec.model_dump()},
+        lock_hash=_expected_lock_hash(vspec),
+    )
+    if exp.kind == "dflash":
+        spec.layout = exp.layout.model_dump()
+        spec.gpus = list(exp.layout.gpus)
+        spec.config = exp.trainer.model_dump(mode="json")
+    else:
+        spec.command = list(exp.command)
+        spec.env = dict(exp.env)
+        spec.gpus = list(exp.gpus)
+    spec.validate()
+    return spec
+
+
+def _expected_lock_hash(vspec) -> str | None:
+    """The lock hash a uv venv profile must match (None for the workstation interpreter: no lock).
+
+    Raises:
+        UserError: the profile names a lock that does not exist.
+    """
+    if getattr(vspec, "kind", None) != "uv":
+        return None
+    from orchestrator.ops.lock import resolve_lock
+
+    return resolve_lock(vspec.lock).hash
+
+
+@dataclass
+class LaunchResult:
+    """What launch did (or, with dry_run, would do)."""
+
+    run_id: str
+    run_dir: str
+    session: str
+    target: str
+    experiment: str
+    command: list[str]
+    gpus: list[int]
+    replaced: str | None
+    dry_run: bool
+    plan: dict | None = None
+    record_path: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def launch(
+    target,
+    spec: LaunchSpec,
+    *,
+    replace: bool = False,
+    dry_run: bool = False,
+    grace_s: float = DEFAULT_GRACE_S,
+    release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S,
+    on_event: Callable[[dict], None] | None = None,
+    cli: str | None = None,
+    record: bool = True,
+    now: _dt.datetime | None = None,
+    timeout: float | None = 900,
+) -> LaunchResult:
+    """Launch `spec` on `target` in ONE agent call; append a workstation run record.
+
+    Args:
+        target: a BaseTarget (LocalTarget or ContainerTarget).
+        spec: the resolved experiment.
+        replace: stop the experiment's live run first (SIGINT, SIGTERM, SIGKILL), wait for its GPUs.
+        dry_run: check and plan only; nothing is written anywhere.
+        on_event: receives each progress event of the agent.
+        cli: the workstation command line, recorded in run.json.
+        record: append to the workstation records (runs.jsonl).
+    Returns:
+        LaunchResult.
+    Raises:
+        UserError: unsafe names (before anything reaches the target).
+        PreflightError: refused (GpuBusy / SessionExists / VenvMismatch / LockHeld), naming what exactly.
+        AgentError, ConnectError, PctError: the target could not do it.
+    """
+    spec.validate()
+    from orchestrator.bundle import build_bundle
+
+    created = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    request: dict[str, Any] = {
+        "experiment": spec.experiment,
+        "run_id": make_run_id(spec.experiment, spec.tag, now),
+        "tag": spec.tag,
+        "target": spec.target,
+        "kind": spec.kind,
+        "command": spec.command,
+        "env": spec.env,
+        "gpus": spec.gpus,
+        "layout": spec.layout,
+        "config": spec.config,
+        "gpu_idle_mib": spec.gpu_idle_mib,
+        "venv_profile": spec.venv_profile,
+        "lock_hash": spec.lock_hash,
+        "bundle_hash": build_bundle().hash,
+        "cli": cli,
+        "created": created,
+        "replace": replace,
+        "grace_s": grace_s,
+        "release_timeout_s": release_timeout_s,
+        "dry_run": dry_run,
+    }
+    try:
+        data = target.agent("launch", request, on_event=on_event, timeout=timeout)
+    except AgentError as exc:
+        if exc.agent_type in REFUSALS:
+            err = PreflightError(f"launch {spec.experiment} on {spec.target} refused: {exc.message}", fix=exc.fix)
+            err.agent_type, err.data = exc.agent_type, exc.data  # type: ignore[attr-defined]
+            raise err from None
+        raise
+    result = LaunchResult(
+        run_id=data["run_id"],
+        run_dir=data["run_dir"],
+        session=data["session"],
+        target=spec.target,
+        experiment=spec.experiment,
+        command=data.get("command") or [],
+        gpus=data.get("gpus") or [],
+        replaced=data.get("replaced"),
+        dry_run=bool(data.get("dry_run")),
+        plan=data.get("plan"),
+    )
+    if record and not result.dry_run:
+        from orchestrator.records import append_record
+
+        path = append_record({
+            "run_id": result.run_id,
+            "experiment": spec.experiment,
+            "tag": spec.tag,
+            "target": spec.target,
+            "kind": spec.kind,
+            "config": spec.config if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
+            "gpus": spec.gpus,
+            "gpus_seen": data.get("gpus_seen") or [],
+            "env_fingerprint": data.get("env_fingerprint") or {},
+            "bundle_hash": data.get("bundle_hash"),
+            "run_dir": result.run_dir,
+            "created": created,
+            "replaced": result.replaced,
+        })
+        result.record_path = str(path)
+    return result

@@ -1,0 +1,177 @@
+"""Workstation run records: one JSON line per launch in `<user state dir>/dflashctl/runs.jsonl`, append-only.
+
+They answer "what changed since the last good run?" without reaching any target: `runs diff A B` compares
+packages (with versions), config keys (flattened dotted paths), bundle hash and GPU/driver of two records.
+The directory can be moved with $DFLASHCTL_STATE_DIR (tests use it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import RunNotFound, UserError
+
+STATE_ENV = "DFLASHCTL_STATE_DIR"
+FILE_NAME = "runs.jsonl"
+
+
+def state_dir() -> Path:
+    """$DFLASHCTL_STATE_DIR, else the platformdirs user state dir of dflashctl."""
+    override = os.environ.get(STATE_ENV)
+    if override:
+        return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("dflashctl"))
+
+
+def records_path() -> Path:
+    return state_dir() / FILE_NAME
+
+
+def append_record(record: dict) -> Path:
+    """Append one record as one line. One write() under an exclusive flock, so concurrent launches from
+    two terminals never interleave their lines.
+
+    Raises:
+        UserError: the record is not JSON-serialisable or lacks run_id.
+    """
+    if not record.get("run_id"):
+        raise UserError("a run record needs a run_id")
+    try:
+        line = json.dumps(record, sort_keys=True, separators=(",", ":"), default=str) + "\n"
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"run record for {record.get('run_id')} is not JSON: {exc}") from exc
+    path = records_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # closing drops the flock
+    return path
+
+
+def load_records(experiment: str | None = None) -> list[dict]:
+    """Every record, oldest first; lines that do not parse (a torn write after a crash) are skipped."""
+    path = records_path()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("run_id") and (experiment is None or rec.get("experiment") == experiment):
+            out.append(rec)
+    return out
+
+
+def find_record(ref: str) -> dict:
+    """The record whose run id is `ref`, or the only one starting with `ref`; `ref` may also be an
+    experiment name (its newest run).
+
+    Raises:
+        RunNotFound: nothing matches, or a prefix matches several runs (they are listed).
+    """
+    records = load_records()
+    exact = [r for r in records if r["run_id"] == ref]
+    if exact:
+        return exact[-1]
+    by_exp = [r for r in records if r.get("experiment") == ref]
+    if by_exp:
+        return by_exp[-1]
+    pref = [r for r in records if r["run_id"].startswith(ref)]
+    if len(pref) == 1:
+        return pref[0]
+    if len(pref) > 1:
+        raise RunNotFound(
+            f"{ref!r} matches {len(pref)} runs: " + ", ".join(r["run_id"] for r in pref[:6]),
+            fix="give more of the run id",
+        )
+    raise RunNotFound(f"no run {ref!r} in {records_path()}", fix="dflashctl runs  (lists recorded runs)")
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}, "c": [1, 2]} -> {"a.b": 1, "c": [1, 2]} (lists stay values)."""
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict) and v:
+                out.update(flatten(v, key))
+            else:
+                out[key] = v
+        return out
+    return {prefix: obj} if prefix else {}
+
+
+@dataclass
+class RunDiff:
+    """What differs between run A and run B. Each change is (key, value in A, value in B); None = absent."""
+
+    a: str
+    b: str
+    packages: list[tuple[str, Any, Any]] = field(default_factory=list)
+    config: list[tuple[str, Any, Any]] = field(default_factory=list)
+    bundle: tuple[Any, Any] | None = None
+    environment: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    @property
+    def same(self) -> bool:
+        return not (self.packages or self.config or self.bundle or self.environment)
+
+    def to_dict(self) -> dict:
+        return {
+            "a": self.a, "b": self.b, "same": self.same,
+            "packages": [list(c) for c in self.packages],
+            "config": [list(c) for c in self.config],
+            "bundle": list(self.bundle) if self.bundle else None,
+            "environment": [list(c) for c in self.environment],
+        }
+
+
+def _changes(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+# Fingerprint fields compared as "GPU/driver and interpreter" (packages are compared one by one).
+_ENV_KEYS = ("python", "torch", "cuda", "driver", "gpu", "gpu_names", "lock_hash")
+
+
+def diff_records(a: dict, b: dict) -> RunDiff:
+    """Compare two run records: packages (name -> version), config keys (dotted), bundle hash, GPU/driver."""
+    fa, fb = a.get("env_fingerprint") or {}, b.get("env_fingerprint") or {}
+    d = RunDiff(a["run_id"], b["run_id"])
+    d.packages = _changes(
+        {k.lower(): v for k, v in (fa.get("packages") or {}).items()},
+        {k.lower(): v for k, v in (fb.get("packages") or {}).items()},
+    )
+    d.config = _changes(flatten(a.get("config") or {}), flatten(b.get("config") or {}))
+    if a.get("bundle_hash") != b.get("bundle_hash"):
+        d.bundle = (a.get("bundle_hash"), b.get("bundle_hash"))
+    env_a = {k: fa.get(k) for k in _ENV_KEYS if k in fa}
+    env_b = {k: fb.get(k) for k in _ENV_KEYS if k in fb}
+    env_a["gpus"] = _gpu_summary(a)
+    env_b["gpus"] = _gpu_summary(b)
+    env_a["target"], env_b["target"] = a.get("target"), b.get("target")
+    d.environment = _changes(env_a, env_b)
+    return d
+
+
+def _gpu_summary(rec: dict) -> list | None:
+    """The GPUs a run used as [index, total MiB] pairs (what nvidia-smi showed at launch)."""
+    seen = rec.get("gpus_seen") or []
+    wanted = set(rec.get("gpus") or [])
+    out = [[g.get("index"), g.get("total_mib")] for g in seen if g.get("index") in wanted]
+    return out or (sorted(wanted) or None)

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# start_training.sh: the process a dflashctl run's tmux pane runs. A CONSTANT script: every value arrives as
+# an argument or in a file of the run directory, so nothing is ever spliced into shell text.
+#
+#   bash start_training.sh RUN_DIR -- COMMAND [ARGS...]
+#
+# RUN_DIR/launch.env0  NUL-separated KEY=VALUE entries: the command's WHOLE environment (env -i), written by
+#                      the agent (mode 0600; values never appear on a command line or in `ps`).
+# RUN_DIR/train.log    stdout+stderr of COMMAND and of this script, appended (also shown in the pane).
+# RUN_DIR/pid          the process group id of COMMAND (what `dflashctl stop` signals).
+# RUN_DIR/exit.json    {"exit_code", "signal", "started", "ended"}, written when COMMAND ends, on failure
+#                      too, by write-temp-then-rename (its appearance means the log is complete).
+set -u
+run_dir=$1
+shift
+[ "${1:-}" = "--" ] && shift
+
+started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+rc=
+sig=null
+child=
+tee_pid=
+
+write_exit() {
+    # Called once, from the EXIT trap: even when bash itself is ended by a signal, the run gets its exit.json.
+    local code=${rc:-}
+    if [ -z "$code" ]; then code=1; fi
+    if [ -n "$tee_pid" ]; then
+        # Close our end of the log pipe so tee sees EOF; wait (bounded) so the log is complete before
+        # exit.json appears (a follower stops reading when it does).
+        exec 1>&- 2>&-
+        for _ in $(seq 1 100); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+    local ended tmp
+    ended=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+    tmp="$run_dir/.exit.json.$$"
+    printf '{"exit_code": %d, "signal": %s, "started": "%s", "ended": "%s"}\n' \
+        "$code" "$sig" "$started" "$ended" > "$tmp" && mv -f "$tmp" "$run_dir/exit.json"
+}
+trap write_exit EXIT
+
+envs=()
+if [ -f "$run_dir/launch.env0" ]; then
+    mapfile -d '' -t envs < "$run_dir/launch.env0"
+fi
+
+# All output, ours and the command's, goes through one tee: appended to train.log and shown in the pane.
+# -i: a Ctrl-C typed into an attached pane must not kill the logger while the trainer shuts down cleanly.
+exec > >(exec tee -ai "$run_dir/train.log") 2>&1
+tee_pid=$!
+
+echo "[dflashctl] run $(basename "$run_dir") started $started: $*"
+
+# Job control on: the command gets its own process group (so a stop signals the trainer and its workers,
+# never tee or this script), and it does not inherit the ignored SIGINT that non-interactive shells give
+# background jobs (python would then never raise KeyboardInterrupt).
+set -m
+env -i "${envs[@]}" "$@" &
+child=$!
+set +m  # the group is made; no job-status chatter in the log
+echo "$child" > "$run_dir/pid"
+
+# A signal sent to this script (tmux kill, Ctrl-C in the pane) is passed on to the command's group; the
+# script stays alive to record how the command ended.
+forward() { kill -s "$1" -- "-$child" 2>/dev/null; }
+trap 'forward INT' INT
+trap 'forward TERM' TERM
+trap 'forward HUP' HUP
+
+while :; do
+    wait "$child"
+    rc=$?
+    # wait returns early (status > 128) when a trapped signal arrives while the command still runs.
+    kill -0 "$child" 2>/dev/null || break
+done
+# bash keeps the status of a reaped background job: this is the command's own status.
+wait "$child" 2>/dev/null
+last=$?
+[ "$last" -ne 127 ] && rc=$last
+if [ "$rc" -gt 128 ]; then
+    name=$(kill -l "$((rc - 128))" 2>/dev/null) && sig="\"SIG$name\""
+fi
+echo "[dflashctl] command ended: exit code $rc${name:+ (signal SIG$name)}"
+exit "$rc"
