@@ -218,6 +218,21 @@ def _chunked_ce(drafter, hidden: torch.Tensor, labels: torch.Tensor, chunk: int 
     return torch.cat(ces), torch.cat(preds)
 
 
+def simulated_acceptance(correct: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over kept blocks of (1 + leading run of correct slots), and the number of kept blocks.
+
+    Args:
+        correct: [R, N, bs-1] bool, slot k = 1..bs-1 predicted right (False where unsupervised, which ends
+            the run as a rejection would).
+        keep: [R, N] bool.
+
+    Returns:
+        (accept_sum, n_blocks) as float tensors; their ratio is the simulated acceptance length.
+    """
+    accepted = correct.long().cumprod(dim=2).sum(dim=2).float()  # [R, N]
+    return ((1.0 + accepted) * keep).sum(), keep.sum().float()
+
+
 def dflash_loss(
     drafter,
     batch: PackedBatch,
@@ -279,10 +294,7 @@ def dflash_loss(
         valid = (weights > 0)[:, :, 1:]
         slot_correct = correct.sum(dim=(0, 1)).float()
         slot_count = valid.sum(dim=(0, 1)).float()
-        # Simulated acceptance: accepted = leading run of correct slots; an unsupervised slot stops it.
-        accepted = correct.long().cumprod(dim=2).sum(dim=2).float()  # [R, N]
-        accept_sum = ((1.0 + accepted) * keep).sum()
-        n_blocks = keep.sum().float()
+        accept_sum, n_blocks = simulated_acceptance(correct, keep)
         sim_accept_len = accept_sum / n_blocks.clamp_min(1)
     return StepOutput(
         loss=loss,
@@ -309,5 +321,6 @@ __all__ = [
     "block_inputs",
     "block_labels",
     "dflash_loss",
+    "simulated_acceptance",
     "default_gamma",
 ]
