@@ -1,0 +1,330 @@
+"""Run commands on a host over SSH: ONE connection per host, one channel per command.
+
+fabric's `Connection` resolves ~/.ssh/config (aliases, HostName/Port/User/IdentityFile, ProxyJump) and
+opens the connection; everything after that is plain paramiko on its Transport:
+- keepalive on, TCP_NODELAY on the socket (without it each exec stalls ~40 ms in delayed-ACK/Nagle);
+- no pty (a pty merges stdout and stderr, adds CRLF, and lxc-attach would allocate one too);
+- stdout and stderr drained on their own threads while stdin is fed on a third (no window deadlock
+  with large outputs), exit status read LAST, with a bounded wait;
+- a connection found dead between commands is re-opened once.
+
+Host keys: known_hosts is the truth (see hostkeys.py); fabric's default AutoAddPolicy is replaced.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+from orchestrator.errors import ConnectError, HostKeyError
+from orchestrator.transport.base import CommandTimeout, Result, StreamCallback
+from orchestrator.transport.quoting import render
+
+_CHUNK = 32768
+_TAIL = 16384
+# What OpenSSH's client reports when the server sends no exit status (the remote process was killed by a
+# signal; paramiko ignores `exit-signal` and reports -1).
+NO_EXIT_STATUS = 255
+# After both streams hit EOF the exit status is normally already there; wait at most this long for it.
+EXIT_STATUS_GRACE_S = 30.0
+
+
+class SSHTransport:
+    """Commands on one SSH host, one channel each, over one connection opened on first use.
+
+    Args:
+        hostname: host name or address (or an ~/.ssh/config alias when `ssh_config_alias` is None).
+        port: sshd port.
+        user: login user (None: ~/.ssh/config's User, else the local user).
+        identity_file: private key to use; when given, only it is offered (like IdentitiesOnly=yes).
+        known_hosts: known_hosts file to trust (None: ~/.ssh/known_hosts).
+        ssh_config_alias: a Host entry of ~/.ssh/config to resolve instead of `hostname` (HostName, Port,
+            User, IdentityFile, ProxyJump come from there; explicit arguments win).
+        connect_timeout: seconds for TCP connect, banner and authentication, each.
+        keepalive: seconds between keepalive messages (0: off).
+        name: how the user names this host (inventory name), for messages such as `dflashctl trust NAME`.
+    """
+
+    def __init__(
+        self,
+        hostname: str,
+        *,
+        port: int = 22,
+        user: str | None = None,
+        identity_file: str | None = None,
+        known_hosts: str | None = None,
+        ssh_config_alias: str | None = None,
+        connect_timeout: float = 10.0,
+        keepalive: int = 15,
+        name: str | None = None,
+    ):
+        self.hostname = hostname
+        self.port = int(port)
+        self.user = user
+        self.identity_file = identity_file
+        self.known_hosts = known_hosts
+        self.ssh_config_alias = ssh_config_alias
+        self.connect_timeout = float(connect_timeout)
+        self.keepalive = int(keepalive)
+        self.label = name or ssh_config_alias or hostname
+        self.name = f"ssh:{self.label}"
+        self.calls = 0  # commands run (for tests and benchmarks)
+        self.connects = 0  # connections opened
+        self._conn = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------ connection
+
+    def _make_connection(self):
+        import fabric
+
+        from orchestrator.transport import hostkeys
+
+        kwargs: dict = {
+            "banner_timeout": self.connect_timeout,
+            "auth_timeout": self.connect_timeout,
+            "channel_timeout": self.connect_timeout,
+        }
+        if self.identity_file:
+            kwargs.update(key_filename=[self.identity_file], look_for_keys=False, allow_agent=False)
+        target = self.ssh_config_alias or self.hostname
+        conn = fabric.Connection(
+            target,
+            user=self.user,
+            port=self.port if (self.ssh_config_alias is None or self.port != 22) else None,
+            connect_timeout=max(1, math.ceil(self.connect_timeout)),
+            connect_kwargs=kwargs,
+        )
+        kh = hostkeys.known_hosts_path(self.known_hosts)
+        hostkeys.load_known_hosts(kh)  # a clear error now if the file is unreadable
+        # fabric installs AutoAddPolicy (accept anything) on every hop; known_hosts must rule instead.
+        hop = conn
+        while isinstance(hop, fabric.Connection):
+            hop.client.set_missing_host_key_policy(hostkeys.RefuseUnknownHost(self.label, kh))
+            if kh.exists():
+                hop.client.get_host_keys().load(str(kh))
+            hop = hop.gateway
+        return conn
+
+    def _connect(self):
+        import paramiko
+
+        conn = self._make_connection()
+        where = f"{conn.user}@{conn.host}:{conn.port}"
+        try:
+            conn.open()
+        except HostKeyError:
+            conn.close()
+            raise
+        except paramiko.BadHostKeyException as exc:
+            conn.close()
+            from orchestrator.transport import hostkeys
+
+            name = hostkeys.host_key_name(conn.host, conn.port)
+            raise hostkeys.changed_key_error(name, exc.expected_key, exc.key, hostkeys.known_hosts_path(self.known_hosts)) from None
+        except paramiko.AuthenticationException as exc:
+            conn.close()
+            raise ConnectError(
+                f"SSH authentication failed for {where} ({exc})",
+                fix=f"check the user and identity_file of host {self.label} in inventory.yaml, and that the public "
+                f"key is in the host's authorized_keys (ssh-copy-id -p {conn.port} {conn.user}@{conn.host})",
+            ) from None
+        except (socket.timeout, TimeoutError) as exc:
+            conn.close()
+            raise ConnectError(
+                f"SSH connection to {where} timed out after {self.connect_timeout:.0f} s ({exc or 'timeout'})",
+                fix=f"check that {conn.host} is up and reachable (ping {conn.host}; ssh -p {conn.port} {conn.user}@{conn.host})",
+            ) from None
+        except socket.gaierror as exc:
+            conn.close()
+            raise ConnectError(f"cannot resolve host name {conn.host!r} ({exc})",
+                               fix=f"fix the hostname of host {self.label} in inventory.yaml or ~/.ssh/config") from None
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            conn.close()
+            text = str(exc) or type(exc).__name__
+            if isinstance(exc, ConnectionRefusedError) or "Unable to connect" in text or "refused" in text.lower():
+                msg = f"SSH connection to {where} refused ({text})"
+                fix = f"check that sshd runs on {conn.host} and listens on port {conn.port}"
+            elif "banner" in text.lower():
+                msg = f"SSH connection to {where}: no SSH banner within {self.connect_timeout:.0f} s ({text})"
+                fix = f"check that port {conn.port} on {conn.host} is sshd (not another service) and not overloaded"
+            else:
+                msg = f"SSH connection to {where} failed: {text}"
+                fix = f"try `ssh -p {conn.port} {conn.user}@{conn.host} true` to see the details"
+            raise ConnectError(msg, fix=fix) from None
+        transport = conn.client.get_transport()
+        if self.keepalive > 0:
+            transport.set_keepalive(self.keepalive)
+        sock = transport.sock
+        if isinstance(sock, socket.socket):  # a ProxyJump hop's channel has no TCP options
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connects += 1
+        return conn
+
+    def _transport(self, fresh: bool = False):
+        """The live paramiko Transport, (re)connecting when there is none or it died."""
+        with self._lock:
+            if fresh and self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            if self._conn is not None:
+                t = self._conn.client.get_transport()
+                if t is not None and t.is_active():
+                    return t
+                self._conn.close()  # died between commands: open a new one
+                self._conn = None
+            self._conn = self._connect()
+            return self._conn.client.get_transport()
+
+    def connect(self) -> None:
+        """Open the connection now (otherwise the first run does).
+
+        Raises:
+            ConnectError, HostKeyError: as for run.
+        """
+        self._transport()
+
+    def _open_channel(self):
+        import paramiko
+
+        last: Exception | None = None
+        for attempt in range(2):
+            t = self._transport(fresh=attempt > 0)
+            try:
+                return t.open_session(timeout=self.connect_timeout)
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                # Nothing has run yet, so one retry on a fresh connection is safe.
+                last = exc
+        raise ConnectError(f"cannot open an SSH channel to {self.label}: {last}",
+                           fix=f"check that the host {self.label} is reachable; sshd's MaxSessions may be too low") from last
+
+    # ---------------------------------------------------------------------------------------- running
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        on_stdout: StreamCallback | None = None,
+        on_stderr: StreamCallback | None = None,
+    ) -> Result:
+        """Run argv on the host (rendered once by quoting.render for the login shell).
+
+        Args/Raises: as Transport.run. The exit code is the command's; 255 when the server sent none
+        (the process was killed by a signal), as OpenSSH's client reports it.
+        """
+        argv = list(argv)
+        command = render(argv)
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        chan = self._open_channel()
+        self.calls += 1
+        try:
+            chan.exec_command(command)
+        except Exception as exc:
+            chan.close()
+            raise ConnectError(f"cannot start a command on {self.label}: {exc}") from exc
+
+        out: list[bytes] = []
+        err: list[bytes] = []
+        out_tail, err_tail = bytearray(), bytearray()
+        errors: list[BaseException] = []
+        threads = [
+            threading.Thread(target=_pump, args=(chan, chan.recv, out, on_stdout, out_tail, errors), daemon=True),
+            threading.Thread(target=_pump, args=(chan, chan.recv_stderr, err, on_stderr, err_tail, errors), daemon=True),
+        ]
+        # stdin on its own thread: a command that writes a lot before reading would otherwise block us.
+        threads.append(threading.Thread(target=_feed, args=(chan, stdin), daemon=True))
+        for t in threads:
+            t.start()
+
+        def result(code: int) -> Result:
+            return Result(argv, code, b"".join(out), b"".join(err), self.name, time.monotonic() - start,
+                          bytes(err_tail))
+
+        try:
+            for t in threads[:2]:
+                while t.is_alive():
+                    t.join(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic())))
+                    if deadline is not None and time.monotonic() >= deadline and t.is_alive():
+                        chan.close()
+                        for other in threads:
+                            other.join(2)
+                        raise CommandTimeout(f"command timed out after {timeout:.0f} s on {self.label}",
+                                             result=result(-9))
+            # Exit status last: both streams are at EOF, so it is there or arrives within the grace period.
+            grace_end = time.monotonic() + EXIT_STATUS_GRACE_S
+            if deadline is not None:
+                grace_end = min(grace_end, max(deadline, time.monotonic() + 1.0))
+            while not chan.exit_status_ready():
+                if time.monotonic() >= grace_end:
+                    chan.close()
+                    raise CommandTimeout(f"no exit status from {self.label} after the output ended", result=result(-9))
+                time.sleep(0.002)
+            code = chan.recv_exit_status()
+        except KeyboardInterrupt:
+            chan.close()
+            raise
+        finally:
+            threads[2].join(1)
+        chan.close()
+        if errors:
+            import paramiko
+
+            if isinstance(errors[0], (EOFError, OSError, paramiko.SSHException)):
+                raise ConnectError(f"the SSH connection to {self.label} broke during a command: {errors[0]}",
+                                   fix="check the network; the command may or may not have finished on the host")
+            raise errors[0]
+        if code == -1:
+            err_tail.extend(b"\n[dflashctl: the remote command ended without an exit status (killed by a signal?)]\n")
+            code = NO_EXIT_STATUS
+        return result(code)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> "SSHTransport":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pump(chan, recv, sink: list[bytes], callback: StreamCallback | None, tail: bytearray, errors: list) -> None:
+    """Read one stream of a channel to EOF; hand chunks to callback or keep them; keep a bounded tail."""
+    try:
+        while True:
+            chunk = recv(_CHUNK)
+            if not chunk:
+                return
+            if callback is not None:
+                callback(chunk)
+            else:
+                sink.append(chunk)
+            tail.extend(chunk)
+            if len(tail) > _TAIL:
+                del tail[: len(tail) - _TAIL]
+    except BaseException as exc:  # surfaced by run(); a callback's error must not be swallowed
+        errors.append(exc)
+        chan.close()  # stop the other stream too: nobody drains this one any more
+
+
+def _feed(chan, data: bytes | None) -> None:
+    """Send stdin (if any) then EOF, so the remote command never waits for input that will not come."""
+    try:
+        if data:
+            view = memoryview(data)
+            for i in range(0, len(view), _CHUNK):
+                chan.sendall(view[i:i + _CHUNK])
+        chan.shutdown_write()
+    except (OSError, EOFError):
+        pass  # the command exited without reading all of its input
+    except Exception:  # paramiko.SSHException on a closed channel: same situation
+        pass
