@@ -1,0 +1,296 @@
+"""`logs` / `follow`: loss-free following across real connection cuts, exit codes, health alerts, the CLI.
+
+Runs are real: `start_training.sh` in a tmux session (private socket dir) running a Python writer. Cuts are
+real: the agent process serving the follow is SIGKILLed (local target) or the SSH connection to the fake
+Proxmox host is severed (container target).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import RunNotFound
+from orchestrator.ops.logs import Backoff, FollowOutcome, LogHealth, follow, resolve
+from orchestrator.target import LocalTarget
+from orchestrator.transport.local import LocalTransport
+
+ROOT = Path(__file__).resolve().parents[2]
+START = ROOT / "orchestrator" / "templates" / "start_training.sh"
+FAST = Backoff(initial=0.05, factor=2.0, cap=0.5, jitter=0.2, give_up_s=20)
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    n, batch, pause, code = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    tail = bytes.fromhex(sys.argv[5]).decode() if len(sys.argv) > 5 else ""  # hex: not echoed as text
+    out = sys.stdout
+    for start in range(0, n, batch):
+        out.write("".join("line %06d\\n" % i for i in range(start, min(n, start + batch))))
+        out.flush()
+        time.sleep(pause)
+    if tail:
+        out.write(tail)
+        out.flush()
+    sys.exit(code)
+    """
+)
+
+
+@pytest.fixture(autouse=True)
+def _own_tmux(tmp_path, monkeypatch):
+    d = tmp_path / "tmux"
+    d.mkdir()
+    monkeypatch.setenv("TMUX_TMPDIR", str(d))
+    yield
+    subprocess.run(["tmux", "kill-server"], capture_output=True)
+
+
+def start_run(workdir: Path, run_id: str, experiment: str, argv: list[str], created: str = "2026-01-01T00:00:00Z") -> Path:
+    """Launch like `launch` does: run dir + run.json, then start_training.sh in tmux session dflash-<exp>."""
+    run = workdir / "runs" / run_id
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"experiment": experiment, "run_id": run_id, "created": created}))
+    subprocess.run(["tmux", "new-session", "-d", "-s", f"dflash-{experiment}", "bash", str(START), str(run), "--", *argv],
+                   check=True, timeout=10)
+    return run
+
+
+def writer_argv(n: int, batch: int = 200, pause: float = 0.01, code: int = 0, tail: str = "") -> list[str]:
+    return [sys.executable, "-c", WRITER, str(n), str(batch), str(pause), str(code), tail.encode().hex()]
+
+
+def numbered(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("line ")]
+
+
+def local_target(workdir: Path) -> LocalTarget:
+    return LocalTarget(name="local", workdir=str(workdir), transport=LocalTransport())
+
+
+class AgentKiller(threading.Thread):
+    """SIGKILLs this process's `orchestrator.agent tail` children at random intervals: a real cut."""
+
+    def __init__(self, every: tuple[float, float], limit: int):
+        super().__init__(daemon=True)
+        self.every, self.limit, self.kills = every, limit, 0
+        self.stop = threading.Event()
+
+    def _agents(self) -> list[int]:
+        me, pids = os.getpid(), []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == me and b"orchestrator.agent\0tail" in cmd:
+                pids.append(int(entry))
+        return pids
+
+    def run(self) -> None:
+        rng = random.Random(3)
+        while not self.stop.wait(rng.uniform(*self.every)) and self.kills < self.limit:
+            for pid in self._agents():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    self.kills += 1
+                except ProcessLookupError:
+                    pass
+
+
+def test_follow_survives_killed_agents_without_loss_or_repeat(tmp_path):
+    n = 30_000
+    start_run(tmp_path, "r-cut", "cut", writer_argv(n, batch=150, pause=0.01))
+    lines: list[str] = []
+    statuses: list[str] = []
+    killer = AgentKiller(every=(0.1, 0.3), limit=12)
+    killer.start()
+    try:
+        out = follow(local_target(tmp_path), "r-cut", on_line=lines.append, on_status=statuses.append,
+                     backoff=FAST, heartbeat=0.5)
+    finally:
+        killer.stop.set()
+    assert killer.kills >= 5, "the writer finished before enough cuts were made"
+    assert numbered(lines) == [f"line {i:06d}" for i in range(n)]
+    assert out.state == "succeeded" and out.exit_code == 0 and out.exit["exit_code"] == 0
+    assert out.reconnects >= killer.kills - 1 and len(statuses) == out.reconnects
+    assert lines[0].startswith("[dflashctl] run r-cut started") and "exit code 0" in lines[-1]
+
+
+def test_failed_run_exit_code_and_partial_last_line(tmp_path):
+    start_run(tmp_path, "r-fail", "fail", writer_argv(50, code=3, tail="no newline"))
+    lines: list[str] = []
+    out = follow(local_target(tmp_path), "r-fail", on_line=lines.append, backoff=FAST, heartbeat=0.5)
+    assert out.state == "failed" and out.exit["exit_code"] == 3 and out.exit_code == 1
+    assert "no newline" in "\n".join(lines)  # the writer is done: its partial last line is shown
+    assert numbered(lines)[-1] == "line 000049"
+
+
+def test_crash_without_exit_json_is_crashed(tmp_path):
+    # The session is killed outright (like a container stop): no exit.json is ever written.
+    run = start_run(tmp_path, "r-crash", "crash", writer_argv(10, pause=30))
+
+    def container_stop() -> None:
+        # SIGKILL everything, as a container stop does: the wrapper never gets to write exit.json.
+        pane = subprocess.run(["tmux", "list-panes", "-t", "dflash-crash", "-F", "#{pane_pid}"],
+                              capture_output=True, text=True).stdout.split()
+        os.killpg(int((run / "pid").read_text()), signal.SIGKILL)
+        for pid in pane:
+            os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["tmux", "kill-server"], capture_output=True)
+
+    threading.Timer(1.0, container_stop).start()
+    out = follow(local_target(tmp_path), "r-crash", backoff=FAST, heartbeat=0.3)
+    assert out.state == "crashed" and out.exit is None and not (run / "exit.json").exists()
+    assert out.exit_code == 1  # no known signature in the log
+
+
+class _Sig:
+    def __init__(self, sid: str, severity: str):
+        self.id, self.severity = sid, severity
+
+
+class _Match:
+    def __init__(self, sig: _Sig, line: str):
+        self.signature, self.line = sig, line
+
+    def to_dict(self) -> dict:
+        return {"id": self.signature.id, "severity": self.signature.severity, "line": self.line}
+
+
+class LiteralMatcher:
+    """A stand-in for orchestrator.signatures.Matcher with the same two calls (feed_line, finish)."""
+
+    def __init__(self, table: dict[str, _Sig]):
+        self.table = table
+
+    def feed_line(self, line: str):
+        return [_Match(sig, line) for text, sig in self.table.items() if text in line]
+
+    def finish(self):
+        return []
+
+
+def test_exit_code_two_needs_a_crash_severity_signature(tmp_path):
+    start_run(tmp_path, "r-oom", "oom", writer_argv(5, code=1, tail="torch.OutOfMemoryError: CUDA out of memory\n"))
+    matcher = LiteralMatcher({"CUDA out of memory": _Sig("cuda-oom", "error"), "line 000001": _Sig("note", "warning")})
+    matches: list = []
+    out = follow(local_target(tmp_path), "r-oom", matcher=matcher, on_match=matches.append, backoff=FAST, heartbeat=0.5)
+    assert [m.signature.id for m in matches] == ["note", "cuda-oom"]
+    assert out.state == "failed" and out.exit_code == 2
+    # a warning-level match alone does not make a failure "known"
+    out.matches = [m for m in out.matches if m.signature.severity == "warning"]
+    assert out.exit_code == 1
+
+
+def test_connection_lost_for_good_is_exit_three(tmp_path):
+    start_run(tmp_path, "r-lost", "lost", writer_argv(5, pause=5))
+    # an interpreter that does not exist: every exec dies at once, as a host that went away would
+    tgt = LocalTarget(name="local", workdir=str(tmp_path), transport=LocalTransport(), python="/nonexistent/python3")
+    statuses: list[str] = []
+    t0 = time.monotonic()
+    out = follow(tgt, "r-lost", backoff=Backoff(initial=0.05, cap=0.2, jitter=0, give_up_s=1.0), on_status=statuses.append)
+    assert out.state == "lost" and out.exit_code == 3
+    assert 1.0 <= time.monotonic() - t0 < 5 and out.reconnects >= 3 and "reconnecting" in statuses[0]
+
+
+def test_no_such_run(tmp_path):
+    with pytest.raises(RunNotFound) as err:
+        follow(local_target(tmp_path), "r-none", backoff=FAST)
+    assert err.value.exit_code == 4
+
+
+def test_one_shot_tail_of_a_running_run(tmp_path):
+    start_run(tmp_path, "r-live", "live", writer_argv(100, batch=100, pause=30))
+    time.sleep(1.0)
+    lines: list[str] = []
+    out = follow(local_target(tmp_path), "r-live", tail=3, follow=False, on_line=lines.append)
+    assert out.state == "running" and out.exit_code == 0
+    assert lines == ["line 000097", "line 000098", "line 000099"]
+
+
+def test_backoff_schedule():
+    b = Backoff(initial=1, factor=2, cap=30, jitter=0.1)
+    rng = random.Random(0)
+    delays = [b.delay(i, rng) for i in range(8)]
+    for d, base in zip(delays, [1, 2, 4, 8, 16, 30, 30, 30]):
+        assert base <= d <= base * 1.1
+
+
+# ------------------------------------------------------------------------------------------- health
+
+
+class _Cfg:
+    hang_seconds = 60
+
+
+def test_hang_needs_a_live_session_and_silent_files():
+    now = [0.0]
+    h = LogHealth(_Cfg(), clock=lambda: now[0])
+    assert h.heartbeat({"session_alive": True, "log_size": 10, "metrics_size": 5}) == []
+    now[0] = 59
+    assert h.heartbeat({"session_alive": True, "log_size": 10, "metrics_size": 5}) == []
+    now[0] = 61
+    alerts = h.heartbeat({"session_alive": True, "log_size": 10, "metrics_size": 5})
+    assert [a["kind"] for a in alerts] == ["hang"] and alerts[0]["silent_s"] == 61
+    now[0] = 200
+    assert h.heartbeat({"session_alive": True, "log_size": 10, "metrics_size": 5}) == []  # once per stretch
+    now[0] = 210
+    assert h.heartbeat({"session_alive": True, "log_size": 11, "metrics_size": 5}) == []  # activity re-arms
+    now[0] = 300
+    assert [a["kind"] for a in h.heartbeat({"session_alive": True, "log_size": 11, "metrics_size": 5})] == ["hang"]
+    # a dead or unknown session is not a hang (it is a crash, decided by the agent)
+    h2 = LogHealth(_Cfg(), clock=lambda: now[0])
+    h2.heartbeat({"session_alive": None, "log_size": 1, "metrics_size": 1})
+    now[0] = 10_000
+    assert h2.heartbeat({"session_alive": None, "log_size": 1, "metrics_size": 1}) == []
+
+
+def test_hang_alert_reaches_the_follower(tmp_path):
+    start_run(tmp_path, "r-hang", "hang", writer_argv(3, pause=4))
+
+    class Quick:
+        hang_seconds = 1.0
+
+    alerts: list = []
+    out = follow(local_target(tmp_path), "r-hang", health=LogHealth(Quick()), on_alert=alerts.append,
+                 backoff=FAST, heartbeat=0.25)
+    assert out.state == "succeeded"
+    assert [a["kind"] for a in alerts][:1] == ["hang"]
+
+
+# ------------------------------------------------------------------------------------------- resolve
+
+
+def test_resolve_experiment_or_run_id():
+    from orchestrator.inventory import load_inventory
+
+    inv = load_inventory(None)
+    assert resolve(inv, "tiny", None) == (inv.experiments["tiny"].target, None, "tiny")
+    assert resolve(inv, "tiny-20260101-000000", "local") == ("local", "tiny-20260101-000000", None)
+    assert resolve(inv, None, None) == (inv.default_target(), None, None)
+    with pytest.raises(Exception) as err:
+        resolve(inv, "../etc", None)
+    assert "run" in str(err.value)
+
+
+def test_outcome_json_shape():
+    o = FollowOutcome(run_id="r", experiment="e", state="failed", exit={"exit_code": 1},
+                      matches=[_Match(_Sig("nccl-timeout", "error"), "x")])
+    d = o.to_dict()
+    assert d["exit_code"] == 2 and d["matches"][0]["id"] == "nccl-timeout"
+    json.dumps(d)
