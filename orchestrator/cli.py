@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
     _register_all()
     try:
-        app(args=argv, standalone_mode=False)
-        return 0
+        # With standalone_mode=False click turns `raise typer.Exit(n)` into a return value, not an exception.
+        rc = app(args=argv, standalone_mode=False)
+        return rc if isinstance(rc, int) else 0
     except DflashError as exc:
         from rich.console import Console
 

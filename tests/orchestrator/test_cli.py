@@ -1,0 +1,117 @@
+"""The CLI shell: `--help` stays light, doctor's exit codes and output, readable inventory errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "transformers", "paramiko", "fabric", "invoke", "libtmux")
+
+INVENTORY = """\
+targets:
+  local:
+    kind: local
+    workdir: {workdir}
+    venv: workstation
+venvs:
+  workstation: {{kind: workstation}}
+experiments:
+  tiny:
+    kind: dflash
+    target: local
+"""
+
+
+def cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `dflashctl ARGS` in a fresh interpreter (the source tree first on sys.path)."""
+    code = "import sys; from orchestrator.cli import main; sys.exit(main(sys.argv[1:]))"
+    full_env = dict(os.environ if env is None else env)
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env["COLUMNS"] = "200"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=full_env,
+                          cwd=cwd or REPO, timeout=120)
+
+
+def write_inventory(tmp_path: Path) -> Path:
+    p = tmp_path / "inv.yaml"
+    p.write_text(INVENTORY.format(workdir=tmp_path / "work"))
+    return p
+
+
+def test_help_imports_nothing_heavy():
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from orchestrator.cli import main
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+        print("MODULES=" + json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in %r)))
+        """ % (HEAVY,)
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "doctor" in out.stdout  # the help really listed the commands
+    line = next(line for line in out.stdout.splitlines() if line.startswith("MODULES="))
+    assert json.loads(line[len("MODULES="):]) == []
+
+
+def test_doctor_json_on_a_local_target(tmp_path):
+    res = cli("--inventory", str(write_inventory(tmp_path)), "doctor", "--json")
+    assert res.returncode == 0, res.stderr + res.stdout
+    report = json.loads(res.stdout)
+    assert report["target"] == "local" and report["ok"] is True
+    names = [c["name"] for c in report["checks"]]
+    assert names == ["python3", "nvidia-smi readable", "tmux", "uv", "free disk", "workdir writable",
+                     "inductor cache dir writable"]
+    assert (tmp_path / "work" / "inductor-cache").is_dir()
+
+
+def test_doctor_table_and_exit_1_when_a_check_fails(tmp_path):
+    # PATH without tmux or uv: the agent still runs (absolute interpreter) and reports them missing.
+    env = dict(os.environ, PATH=str(tmp_path / "empty-bin"), HOME=str(tmp_path / "home"))
+    res = cli("--inventory", str(write_inventory(tmp_path)), "doctor", env=env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "tmux" in res.stdout and "fail" in res.stdout
+    assert "apt-get install -y tmux" in res.stdout
+    assert "some checks failed" in res.stdout
+
+
+def test_unknown_target_is_suggested(tmp_path):
+    res = cli("--inventory", str(write_inventory(tmp_path)), "doctor", "--target", "locl")
+    assert res.returncode == 1
+    assert "no target 'locl'" in res.stderr and "did you mean 'local'?" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_hostile_target_name_is_refused(tmp_path):
+    res = cli("--inventory", str(write_inventory(tmp_path)), "doctor", "--target", "../$(id)")
+    assert res.returncode == 1
+    assert "bad target name" in res.stderr
+
+
+def test_bad_inventory_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(INVENTORY.format(workdir=tmp_path).replace("    venv: workstation", "    venv: workstation\n    wrkdir: x"))
+    res = cli("--inventory", str(bad), "doctor")
+    assert res.returncode == 1
+    assert f"{bad}:6: targets.local.wrkdir: unknown key; did you mean 'workdir'?" in res.stderr
+
+
+def test_missing_inventory_file(tmp_path):
+    res = cli("--inventory", str(tmp_path / "nope.yaml"), "doctor")
+    assert res.returncode == 1 and "nope.yaml" in res.stderr and "does not exist" in res.stderr
+
+
+def test_env_inventory_is_used(tmp_path):
+    env = dict(os.environ, DFLASHCTL_INVENTORY=str(write_inventory(tmp_path)))
+    res = cli("doctor", "--json", env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["checks"][-1]["detail"] == str(tmp_path / "work" / "inductor-cache")
