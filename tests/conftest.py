@@ -51,3 +51,11 @@ def pve(fake_pve):
     fake_pve.clear_pct_calls()
     yield fake_pve
     fake_pve.set_delay(0)
+
+
+@pytest.fixture
+def pve_ssh(fake_pve):
+    """An SSHTransport to the fake host, closed after the test."""
+    transport = fake_pve.ssh_transport()
+    yield transport
+    transport.close()

@@ -368,6 +368,20 @@ class FakePVE:
             "sudo": False,
         }
 
+    def ssh_transport(self, **kw):
+        """An orchestrator SSHTransport to this host (the caller closes it)."""
+        from orchestrator.transport.ssh import SSHTransport
+
+        args = dict(port=self.port, user=self.user, identity_file=self.identity_file, known_hosts=self.known_hosts)
+        args.update(kw)
+        return SSHTransport(self.hostname, **args)
+
+    def pct_transport(self, ctid: int, **kw):
+        """An orchestrator PctTransport into container `ctid` over a new SSHTransport (the caller closes it)."""
+        from orchestrator.transport.pct import PctTransport
+
+        return PctTransport(self.ssh_transport(), ctid, **kw)
+
     def ssh_argv(self, *remote: str) -> list[str]:
         """argv of the OpenSSH client for one command on this host (BatchMode, this host's key files)."""
         return ["ssh", "-p", str(self.port), "-i", self.identity_file, "-o", "BatchMode=yes",
