@@ -1,0 +1,135 @@
+"""attach: an interactive `tmux attach` to a run's session.
+
+Local target: `tmux attach -t =SESSION` here. Container: the real OpenSSH client with a tty (`ssh -t`; an
+interactive terminal is exactly what paramiko's no-pty channels are not for) running `pct exec CT -- tmux
+attach ...` on the host, the remote part rendered once by quoting.render.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from orchestrator.errors import UserError
+from orchestrator.transport.quoting import render
+
+SESSION_PREFIX = "dflash-"
+
+
+def tmux_attach_argv(session: str, read_only: bool = False) -> list[str]:
+    """`tmux attach-session [-r] -t =SESSION` (`=`: the exact name, never a prefix match)."""
+    return ["tmux", "attach-session", *(["-r"] if read_only else []), "-t", "=" + session]
+
+
+def ssh_argv(
+    hostname: str,
+    remote: list[str],
+    *,
+    port: int | None = None,
+    user: str | None = None,
+    identity_file: str | None = None,
+    known_hosts: str | None = None,
+    ssh_config_alias: str | None = None,
+) -> list[str]:
+    """OpenSSH client argv for one interactive command on a host.
+
+    The remote argv is rendered into ONE string here: sshd hands it to the user's login shell, the only
+    parser on the path (pct exec runs its argv without a shell).
+    """
+    argv = ["ssh", "-t"]  # -t: a tty for tmux (ssh would refuse to allocate one for a command otherwise)
+    if port:
+        argv += ["-p", str(port)]
+    if identity_file:
+        argv += ["-i", identity_file, "-o", "IdentitiesOnly=yes"]  # only the configured key, as the SSH transport does
+    if known_hosts:
+        # known_hosts is the truth: never accept an unknown or changed key interactively.
+        argv += ["-o", f"UserKnownHostsFile={known_hosts}", "-o", "StrictHostKeyChecking=yes"]
+    dest = ssh_config_alias or hostname
+    if user:
+        dest = f"{user}@{dest}"
+    return [*argv, "--", dest, render(remote)]
+
+
+def container_attach_argv(
+    *,
+    hostname: str,
+    ctid: int,
+    session: str,
+    read_only: bool = False,
+    env: dict[str, str] | None = None,
+    pct: str = "pct",
+    sudo: bool = False,
+    port: int | None = None,
+    user: str | None = None,
+    identity_file: str | None = None,
+    known_hosts: str | None = None,
+    ssh_config_alias: str | None = None,
+) -> list[str]:
+    """`ssh -t HOST 'pct exec CT --keep-env 0 -- env -i HOME=.. PATH=.. TERM=.. tmux attach ...'`.
+
+    TERM must travel inside the command: `--keep-env 0` drops it, and tmux refuses to attach without one.
+    """
+    from orchestrator.transport.pct import pct_exec_argv
+    from orchestrator.transport.quoting import with_env
+
+    inner = with_env({**(env or {}), "TERM": os.environ.get("TERM") or "xterm-256color"},
+                     tmux_attach_argv(session, read_only))
+    remote = pct_exec_argv(ctid, inner, pct=pct, sudo=sudo)
+    return ssh_argv(hostname, remote, port=port, user=user, identity_file=identity_file,
+                    known_hosts=known_hosts, ssh_config_alias=ssh_config_alias)
+
+
+def attach_argv(target, session: str, read_only: bool = False) -> list[str]:
+    """The argv that attaches to `session` on `target` (LocalTarget or ContainerTarget)."""
+    from orchestrator.target import ContainerTarget
+
+    if not isinstance(target, ContainerTarget):
+        return tmux_attach_argv(session, read_only)
+    pct = target.transport
+    ssh = pct.parent
+    return container_attach_argv(
+        hostname=ssh.hostname,
+        ctid=pct.ctid,
+        session=session,
+        read_only=read_only,
+        env=target.env(),
+        pct=pct.pct,
+        sudo=pct.sudo,
+        port=getattr(ssh, "port", None) if getattr(ssh, "port", 22) != 22 else None,
+        user=getattr(ssh, "user", None),
+        identity_file=getattr(ssh, "identity_file", None),
+        known_hosts=getattr(ssh, "known_hosts", None),
+        ssh_config_alias=getattr(ssh, "ssh_config_alias", None),
+    )
+
+
+def session_for(ref: str, inv=None) -> tuple[str, str | None, str | None]:
+    """(session, experiment, target name) for a run id or an experiment name.
+
+    A recorded run gives its experiment and target; else `ref` must be an experiment of the inventory.
+
+    Raises:
+        RunNotFound / InventoryError: neither a recorded run nor an experiment.
+    """
+    from orchestrator.errors import RunNotFound
+    from orchestrator.records import find_record
+
+    try:
+        rec = find_record(ref)
+        return SESSION_PREFIX + rec["experiment"], rec["experiment"], rec.get("target")
+    except RunNotFound:
+        if inv is None or ref not in getattr(inv, "experiments", {}):
+            raise
+    exp = inv.experiment(ref)
+    return SESSION_PREFIX + ref, ref, exp.target
+
+
+def exec_attach(argv: list[str]) -> None:  # pragma: no cover - replaces the process
+    """Replace this process with the attach command (the terminal belongs to tmux from here on).
+
+    Raises:
+        UserError: the program (tmux or ssh) is not installed here.
+    """
+    if shutil.which(argv[0]) is None:
+        raise UserError(f"`{argv[0]}` is not installed on this machine", fix=f"install {argv[0]} (apt-get install -y {'openssh-client' if argv[0] == 'ssh' else argv[0]})")
+    os.execvp(argv[0], argv)
