@@ -239,7 +239,7 @@ def open_target(inv, name: str) -> BaseTarget:
     spec = inv.target(name)
     if isinstance(spec, ContainerTargetSpec):
         host = inv.host(spec.host)
-        return container_target(name, spec, host, ssh_transport(host))
+        return container_target(name, spec, host, ssh_transport(host, spec.host))
 
     workdir = spec.resolved_workdir()
     try:
@@ -260,8 +260,8 @@ def open_target(inv, name: str) -> BaseTarget:
     return LocalTarget(name=name, workdir=str(workdir), transport=LocalTransport(), python=python)
 
 
-def ssh_transport(host):
-    """An SSHTransport for an inventory HostSpec (imported lazily: paramiko is heavy).
+def ssh_transport(host, name: str | None = None):
+    """An SSHTransport for an inventory HostSpec named `name` (imported lazily: paramiko is heavy).
 
     `ssh` is either an ~/.ssh/config alias or a plain hostname; handing it as both lets the SSH layer apply
     any matching ~/.ssh/config block (as `ssh NAME` would), with the explicit fields overriding it.
@@ -277,6 +277,7 @@ def ssh_transport(host):
         identity_file=os.path.expanduser(host.identity_file) if host.identity_file else None,
         known_hosts=os.path.expanduser(host.known_hosts) if host.known_hosts else None,
         ssh_config_alias=host.ssh,
+        name=name,
     )
 
 

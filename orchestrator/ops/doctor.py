@@ -1,8 +1,8 @@
 """`doctor`: is a target ready to train? A list of checks, each failure with the command that fixes it.
 
-Round trips for a container (pct's Perl start-up makes each one cost hundreds of ms):
-  host side: `pct status CTID` and `pct config CTID` over the one SSH connection (not `pct exec`);
-  in the container: ONE agent `ping` (one `pct exec`) that answers every in-container check.
+Round trips for a container (pct's Perl start-up makes each one cost hundreds of ms), all over ONE SSH
+connection: host side `pct status CTID` (not `pct exec`), then at the same time `pct config CTID` and,
+in the container, ONE agent `ping` (one `pct exec`) that answers every in-container check.
 A first contact with a container that lacks this bundle adds the one-time bundle copy (target.py).
 For the local target the same agent ping runs as a subprocess, and the ssh/pct checks do not apply.
 """
@@ -10,17 +10,10 @@ For the local target the same agent ping runs as a subprocess, and the ssh/pct c
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from orchestrator.errors import (
-    ConnectError,
-    ContainerMissing,
-    ContainerStopped,
-    DflashError,
-    HostKeyError,
-    PctNotFound,
-    SudoRequired,
-)
+from orchestrator.errors import ConnectError, ContainerMissing, DflashError, HostKeyError, PctError
 from orchestrator.transport.quoting import render
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
@@ -75,33 +68,12 @@ class DoctorReport:
                 "checks": [asdict(c) for c in self.checks], "ping": self.ping}
 
 
-def host_pct_argv(pct: str, sudo: bool, verb: str, ctid: int, *args: str) -> list[str]:
-    """argv of a host-side pct call (`pct status 200`), through `sudo -n` for a non-root user."""
-    return [*(["sudo", "-n"] if sudo else []), pct, verb, str(ctid), *args]
-
-
 def gpu_devices(config_text: str) -> list[int]:
     """Indexes of /dev/nvidiaN devices passed through, from `pct config` output (sorted, unique)."""
     found = set()
     for m in _GPU_DEV.finditer(config_text):
         found.add(int(m.group(2) or m.group(3)))
     return sorted(found)
-
-
-def _classify_pct(res, ctid: int) -> DflashError | None:
-    """A host-side pct failure as the typed error (by stderr text, never the exit code), else None."""
-    text = (res.stderr + res.stdout).decode("utf-8", errors="replace")
-    if res.exit_code == 0:
-        return None
-    if "sudo:" in text and ("password" in text or "not allowed" in text):
-        return SudoRequired(text.strip().splitlines()[-1], result=res)
-    if res.exit_code == 127 or re.search(r"pct: (command )?not found|No such file or directory", text):
-        return PctNotFound("pct not found on the host", result=res)
-    if re.search(r"Configuration file '[^']*/lxc/%d\.conf' does not exist" % ctid, text):
-        return ContainerMissing(f"container {ctid} does not exist on this host", result=res)
-    if f"container '{ctid}' not running" in text:
-        return ContainerStopped(f"container {ctid} is not running", result=res)
-    return DflashError(f"pct failed (exit {res.exit_code}): {text.strip()[-300:]}")
 
 
 def _gib(n: int | None) -> str:
@@ -205,16 +177,19 @@ def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> Docto
 
 def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport:
     from orchestrator.target import container_target, ssh_transport
+    from orchestrator.transport.pct import pct_argv
 
     host = inv.host(spec.host)
     rep = DoctorReport(name, "container")
     ctid = spec.ctid
-    on_host = f"(on {spec.host}: ssh {host.ssh} ...)"
-    ssh = ssh_transport(host)
+    ssh = ssh_transport(host, spec.host)
+    target = container_target(name, spec, host, ssh)
+    pct = target.transport  # PctTransport over `ssh`: host-side pct calls and the one pct exec share it
+    on_host = f"  (run on {spec.host})"
     try:
-        # 1. ssh + host key + pct: the first host-side call proves all three.
+        # 1. ssh + host key + pct: the first host-side call (`pct status`) proves all three.
         try:
-            status_res = ssh.run(host_pct_argv(host.pct, host.sudo, "status", ctid), timeout=60)
+            state = pct.status()
         except HostKeyError as exc:
             rep.add("ssh reachable", SKIP, f"{host.ssh} answered, but its host key is not trusted")
             rep.add("host key known", FAIL, exc.message, exc.fix or f"dflashctl trust {spec.host}")
@@ -223,59 +198,72 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
             rep.add("ssh reachable", FAIL, exc.message,
                     exc.fix or f"check that `ssh {host.ssh}` works (hosts.{spec.host} in {inv.source})")
             return _skip_rest(rep, "needs ssh")
-        rep.add("ssh reachable", OK, f"{host.user + '@' if host.user else ''}{host.ssh}:{host.port or 22}")
-        rep.add("host key known", OK, "matches known_hosts")
-        err = _classify_pct(status_res, ctid)
-        if isinstance(err, (PctNotFound, SudoRequired)):
-            fix = ("give the user passwordless sudo for pct (`NOPASSWD: /usr/sbin/pct`) or set "
-                   f"hosts.{spec.host}.sudo" if isinstance(err, SudoRequired)
-                   else f"is {spec.host} a Proxmox VE host? set hosts.{spec.host}.pct to /usr/sbin/pct")
-            rep.add("pct present", FAIL, err.message, fix)
+        except ContainerMissing as exc:
+            _ssh_ok(rep, host)
+            rep.add("pct present", OK, f"{render(pct_argv(ctid, 'status', pct=host.pct, sudo=host.sudo))} answered")
+            rep.add("container running", FAIL, exc.message,
+                    f"fix targets.{name}.ctid in {inv.source} (`{host.pct} list` on {spec.host} lists the containers)")
+            return _skip_rest(rep, "needs the container")
+        except PctError as exc:  # PctNotFound, SudoRequired, or pct failing some other way
+            _ssh_ok(rep, host)
+            rep.add("pct present", FAIL, exc.message, exc.fix)
             return _skip_rest(rep, "needs pct")
-        rep.add("pct present", OK, render(host_pct_argv(host.pct, host.sudo, "status", ctid)) + " answered")
+        _ssh_ok(rep, host)
+        rep.add("pct present", OK, f"{render(pct_argv(ctid, 'status', pct=host.pct, sudo=host.sudo))} answered")
 
         # 2. container state (host side).
-        text = status_res.stdout.decode("utf-8", errors="replace")
-        if isinstance(err, ContainerMissing):
-            rep.add("container running", FAIL, f"container {ctid} does not exist on {spec.host}",
-                    f"fix targets.{name}.ctid in {inv.source} (`pct list` on {spec.host} shows the containers)")
-            return _skip_rest(rep, "needs the container")
-        if err is not None:
-            rep.add("container running", FAIL, err.message, f"pct status {ctid} {on_host}")
-            return _skip_rest(rep, "needs the container")
-        running = re.search(r"^status:\s*running\s*$", text, re.M) is not None
+        running = state == "running"
         if running:
-            rep.add("container running", OK, f"CT {ctid}: running")
+            rep.add("container running", OK, f"CT {ctid}: {state}")
         else:
-            state = (re.search(r"^status:\s*(\S+)", text, re.M) or [None, "unknown"])[1]
             rep.add("container running", FAIL, f"CT {ctid} is {state}",
-                    render(host_pct_argv(host.pct, host.sudo, "start", ctid)) + f"  (run on {spec.host})")
+                    render(pct_argv(ctid, "start", pct=host.pct, sudo=host.sudo)) + on_host)
 
-        # 3. GPU devices in the container config (host side; works while stopped too).
-        cfg = ssh.run(host_pct_argv(host.pct, host.sudo, "config", ctid), timeout=60)
-        cfg_text = cfg.stdout.decode("utf-8", errors="replace")
-        devs = gpu_devices(cfg_text)
-        if cfg.exit_code != 0:
-            rep.add("GPU devices visible", FAIL, f"pct config {ctid} failed (exit {cfg.exit_code})",
-                    f"pct config {ctid} {on_host}")
-        elif devs:
-            rep.add("GPU devices visible", OK, f"{len(devs)} passed through: " + ", ".join(f"/dev/nvidia{i}" for i in devs))
-        elif _NVIDIA_ANY.search(cfg_text):
-            rep.add("GPU devices visible", WARN, "nvidia device rules present but no /dev/nvidiaN entries",
-                    f"pct set {ctid} -dev0 /dev/nvidia0 ...  (run on {spec.host})")
-        else:
-            rep.add("GPU devices visible", FAIL, f"CT {ctid}'s config passes no /dev/nvidia* device",
-                    f"pct set {ctid} -dev0 /dev/nvidia0 -dev1 /dev/nvidiactl -dev2 /dev/nvidia-uvm "
-                    f"-dev3 /dev/nvidia-uvm-tools  (run on {spec.host}, then restart the container)")
+        # 3 and 4 at once over the one SSH connection (each pct call pays pct's Perl start-up):
+        # the GPU devices in the container config (host side; readable while stopped too) and, when the
+        # container runs, everything inside it: ONE pct exec (the agent ping).
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            config = pool.submit(_pct_config, pct)
+            inside = DoctorReport(name, "container")
+            if running:
+                _ping(inside, target, "container", ["pct", "exec", str(ctid), "--"], min_free_gib)
+            _gpu_device_check(rep, config.result(), ctid, on_host)
+        rep.checks.extend(inside.checks)
+        rep.ping = inside.ping
         if not running:
             return _skip_rest(rep, "needs a running container")
-
-        # 4. Everything inside: ONE pct exec.
-        target = container_target(name, spec, host, ssh)
-        _ping(rep, target, "container", ["pct", "exec", str(ctid), "--"], min_free_gib)
         return rep
     finally:
-        ssh.close()
+        target.close()
+
+
+def _pct_config(pct) -> str | PctError:
+    """`pct config CTID` text, or the PctError it raised (returned, to be reported in order)."""
+    try:
+        return pct.pct_command("config").stdout.decode("utf-8", errors="replace")
+    except PctError as exc:
+        return exc
+
+
+def _gpu_device_check(rep: DoctorReport, cfg: str | PctError, ctid: int, on_host: str) -> None:
+    if isinstance(cfg, PctError):
+        rep.add("GPU devices visible", FAIL, cfg.message, f"pct config {ctid}{on_host}")
+        return
+    devs = gpu_devices(cfg)
+    if devs:
+        rep.add("GPU devices visible", OK, f"{len(devs)} passed through: " + ", ".join(f"/dev/nvidia{i}" for i in devs))
+    elif _NVIDIA_ANY.search(cfg):
+        rep.add("GPU devices visible", WARN, "nvidia device rules present but no /dev/nvidiaN entries",
+                f"pct set {ctid} -dev0 /dev/nvidia0 ...{on_host}")
+    else:
+        rep.add("GPU devices visible", FAIL, f"CT {ctid}'s config passes no /dev/nvidia* device",
+                f"pct set {ctid} -dev0 /dev/nvidia0 -dev1 /dev/nvidiactl -dev2 /dev/nvidia-uvm "
+                f"-dev3 /dev/nvidia-uvm-tools{on_host}, then restart the container")
+
+
+def _ssh_ok(rep: DoctorReport, host) -> None:
+    rep.add("ssh reachable", OK, f"{host.user + '@' if host.user else ''}{host.ssh}:{host.port or 22}")
+    rep.add("host key known", OK, "matches known_hosts")
 
 
 _ORDER = ["ssh reachable", "host key known", "pct present", "container running", "GPU devices visible",

@@ -1,0 +1,200 @@
+"""doctor: pure parsers, the local target, and containers on the fake Proxmox host (real sshd + pct stand-in),
+counting exactly ONE `pct exec` per doctor run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.inventory import load_inventory
+from orchestrator.ops.doctor import FAIL, OK, SKIP, WARN, doctor, gpu_devices
+
+AGENT_CHECKS = ["python3", "nvidia-smi readable", "tmux", "uv", "free disk", "workdir writable",
+                "inductor cache dir writable"]
+ALL_CHECKS = ["ssh reachable", "host key known", "pct present", "container running", "GPU devices visible",
+              *AGENT_CHECKS]
+
+
+def inventory(tmp_path: Path, host: dict | None = None, ctid: int = 310, workdir: str | None = None,
+              name: str = "inv.yaml"):
+    """A written + loaded inventory with a `local` target and (given a host entry) a container target `ct`."""
+    doc: dict = {
+        "targets": {"local": {"kind": "local", "workdir": str(tmp_path / "local"), "venv": "workstation"}},
+        "venvs": {"workstation": {"kind": "workstation"}, "cpu": {"kind": "uv", "lock": "cpu"}},
+        "experiments": {},
+    }
+    if host is not None:
+        doc["hosts"] = {"pve": host}
+        doc["targets"]["ct"] = {"kind": "container", "host": "pve", "ctid": ctid,
+                                "workdir": workdir or "/root/dflash", "venv": "cpu"}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return load_inventory(path)
+
+
+def by_name(report) -> dict:
+    return {c.name: c for c in report.checks}
+
+
+# ---------------------------------------------------------------- pure
+
+
+def test_gpu_devices_from_pct_config():
+    text = "\n".join([
+        "arch: amd64",
+        "dev0: /dev/nvidia0",
+        "dev1: path=/dev/nvidia1,gid=44",
+        "dev2: /dev/nvidiactl",
+        "dev3: /dev/nvidia-uvm",
+        "lxc.cgroup2.devices.allow: c 195:* rwm",
+        "lxc.mount.entry: /dev/nvidia7 dev/nvidia7 none bind,optional,create=file",
+        "lxc.mount.entry: /dev/nvidia-uvm-tools dev/nvidia-uvm-tools none bind,optional,create=file",
+    ])
+    assert gpu_devices(text) == [0, 1, 7]
+    assert gpu_devices("arch: amd64\nmemory: 4096\n") == []
+
+
+# ---------------------------------------------------------------- local
+
+
+def test_local_doctor_passes_here(tmp_path):
+    rep = doctor(inventory(tmp_path), "local")
+    assert [c.name for c in rep.checks] == AGENT_CHECKS
+    assert rep.ok, rep.checks
+    assert by_name(rep)["workdir writable"].detail == str(tmp_path / "local")
+    assert rep.ping is not None and rep.ping["workdir"]["writable"]
+
+
+def test_local_doctor_fails_on_low_disk_with_a_fix(tmp_path):
+    rep = doctor(inventory(tmp_path), "local", min_free_gib=10**9)
+    disk = by_name(rep)["free disk"]
+    assert disk.status == FAIL and disk.fix and not rep.ok
+
+
+def test_local_doctor_reports_missing_tools(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    rep = doctor(inventory(tmp_path), "local")
+    checks = by_name(rep)
+    assert checks["tmux"].status == FAIL and checks["tmux"].fix == "apt-get install -y tmux"
+    assert checks["uv"].status == FAIL and "astral.sh/uv/install.sh" in checks["uv"].fix
+    assert checks["nvidia-smi readable"].status == WARN  # a CPU workstation is fine for `tiny`
+    assert not rep.ok
+
+
+# ---------------------------------------------------------------- containers on the fake host
+
+
+def test_doctor_on_a_healthy_container_makes_one_pct_exec(pve, tmp_path):
+    ct = pve.create_container(310, gpus=8)
+    inv = inventory(tmp_path, pve.host_entry(), ctid=310, workdir=ct.workdir)
+    doctor(inv, "ct")  # first contact copies the bundle into the container once
+    pve.clear_pct_calls()
+
+    rep = doctor(inv, "ct")
+    checks = by_name(rep)
+    assert [c.name for c in rep.checks] == ALL_CHECKS
+    for name in ("ssh reachable", "host key known", "pct present", "container running", "python3",
+                 "workdir writable", "inductor cache dir writable", "free disk", "tmux"):
+        assert checks[name].status == OK, (name, checks[name])
+    assert checks["GPU devices visible"].detail.startswith("8 passed through")
+    assert checks["nvidia-smi readable"].status == OK and checks["nvidia-smi readable"].detail.startswith("8 GPU(s)")
+    assert rep.ping["hostname"] == "ct310"
+    assert rep.ping["workdir"]["path"] == ct.workdir
+
+    calls = pve.pct_calls()
+    assert len(pve.pct_exec_calls(310)) == 1, calls
+    assert [c[1] for c in calls if c[1] != "exec"] == ["status", "config"]
+
+
+def test_doctor_on_a_stopped_container_says_pct_start(pve, tmp_path):
+    pve.create_container(311, gpus=2, running=False)
+    inv = inventory(tmp_path, pve.host_entry(), ctid=311)
+    rep = doctor(inv, "ct")
+    checks = by_name(rep)
+    assert checks["ssh reachable"].status == OK and checks["pct present"].status == OK
+    running = checks["container running"]
+    assert running.status == FAIL and "stopped" in running.detail
+    assert running.fix.startswith("pct start 311") and "pve" in running.fix
+    assert checks["GPU devices visible"].status == OK  # pct config works on a stopped container
+    assert all(checks[n].status == SKIP for n in AGENT_CHECKS)
+    assert pve.pct_exec_calls(311) == []
+    assert not rep.ok
+
+
+def test_doctor_on_a_missing_container(pve, tmp_path):
+    pve.remove_container(399)
+    rep = doctor(inventory(tmp_path, pve.host_entry(), ctid=399), "ct")
+    running = by_name(rep)["container running"]
+    assert running.status == FAIL
+    assert "container 399 does not exist" in running.detail
+    assert "targets.ct.ctid" in running.fix
+    assert pve.pct_exec_calls(399) == []
+
+
+def test_doctor_without_gpus_or_with_a_broken_driver(pve, tmp_path):
+    ct = pve.create_container(312, gpus=0)
+    inv = inventory(tmp_path, pve.host_entry(), ctid=312, workdir=ct.workdir)
+    checks = by_name(doctor(inv, "ct"))
+    assert checks["GPU devices visible"].status == FAIL and "pct set 312 -dev0 /dev/nvidia0" in checks["GPU devices visible"].fix
+    assert checks["nvidia-smi readable"].status == FAIL and "not found" in checks["nvidia-smi readable"].detail
+
+    ct = pve.create_container(312, gpus=2)
+    ct.set_nvidia_error("Failed to initialize NVML: Driver/library version mismatch")
+    checks = by_name(doctor(inv, "ct"))
+    assert checks["GPU devices visible"].status == OK
+    smi = checks["nvidia-smi readable"]
+    assert smi.status == FAIL and "Driver/library version mismatch" in smi.detail and "--no-kernel-modules" in smi.fix
+
+
+def test_doctor_refuses_an_unknown_host_key_then_trust_fixes_it(pve, tmp_path):
+    pve.create_container(313, gpus=1)
+    entry = dict(pve.host_entry(), known_hosts=str(tmp_path / "known_hosts"))
+    (tmp_path / "known_hosts").write_text("")
+    inv = inventory(tmp_path, entry, ctid=313)
+    rep = doctor(inv, "ct")
+    checks = by_name(rep)
+    assert checks["host key known"].status == FAIL
+    assert "dflashctl trust pve" in (checks["host key known"].fix or "") + checks["host key known"].detail
+    assert all(checks[n].status == SKIP for n in ALL_CHECKS[2:])
+    assert pve.pct_calls() == []
+
+    from orchestrator.ops.trust import trust
+
+    out = trust(inv, "pve")
+    assert out["fingerprint"].startswith("SHA256:") and out["known_hosts"] == str(tmp_path / "known_hosts")
+    assert by_name(doctor(inv, "ct"))["host key known"].status == OK
+
+
+def test_doctor_reports_an_unreachable_host(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    entry = {"ssh": "127.0.0.1", "port": port, "user": "root", "known_hosts": str(tmp_path / "kh")}
+    rep = doctor(inventory(tmp_path, entry), "ct")
+    checks = by_name(rep)
+    assert checks["ssh reachable"].status == FAIL and checks["ssh reachable"].fix
+    assert all(checks[n].status == SKIP for n in ALL_CHECKS[1:])
+
+
+def test_doctor_cli_json_against_the_fake_host(pve, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    ct = pve.create_container(314, gpus=3)
+    inventory(tmp_path, pve.host_entry(), ctid=314, workdir=ct.workdir)
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    code = "import sys; from orchestrator.cli import main; sys.exit(main(sys.argv[1:]))"
+    res = subprocess.run([sys.executable, "-c", code, "-i", str(tmp_path / "inv.yaml"), "doctor", "-t", "ct", "--json"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    report = json.loads(res.stdout)
+    assert report["target"] == "ct" and report["kind"] == "container"
+    assert {c["name"]: c["status"] for c in report["checks"]}["container running"] == OK
+    assert res.returncode == (0 if report["ok"] else 1)
