@@ -491,6 +491,8 @@ class Matcher:
             pos = counted_to = end + 1
         if counted_to < n:
             self.line_no += data.count(b"\n", counted_to, n)
+            if not data.endswith(b"\n"):
+                self.line_no += 1  # the file's last line, without a newline
         return out
 
 
