@@ -151,3 +151,66 @@ def test_gpus_verb_when_nvidia_smi_is_absent(local, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     out = local.agent("gpus")
     assert out["gpus"] == [] and "nvidia-smi not found" in out["reason"]
+
+
+# ---------------------------------------------------------------- through ssh + pct (fake Proxmox host)
+
+
+def container_inventory(tmp_path: Path, pve, ctid: int, workdir: str):
+    import yaml
+
+    from orchestrator.inventory import load_inventory
+
+    doc = {
+        "hosts": {"pve": pve.host_entry()},
+        "targets": {"ct": {"kind": "container", "host": "pve", "ctid": ctid, "workdir": workdir, "venv": "cpu"}},
+        "venvs": {"cpu": {"kind": "uv", "lock": "cpu"}},
+    }
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return load_inventory(path)
+
+
+def test_open_target_builds_ssh_pct_and_ping_runs_inside(pve, tmp_path):
+    from orchestrator.target import ContainerTarget, open_target
+    from orchestrator.transport.pct import PctTransport
+
+    ct = pve.create_container(320, gpus=4)
+    ct.set_gpu_used(2, 30000)
+    target = open_target(container_inventory(tmp_path, pve, 320, ct.workdir), "ct")
+    try:
+        assert isinstance(target, ContainerTarget) and isinstance(target.transport, PctTransport)
+        assert target.transport.ctid == 320 and target.workdir == ct.workdir
+        target.agent("echo")  # first contact copies the bundle in
+        pve.clear_pct_calls()
+
+        ping = target.agent("ping")
+        assert len(pve.pct_exec_calls(320)) == 1
+        assert ping["hostname"] == "ct320"  # really ran in the container's uts namespace
+        assert ping["bundle_hash"] == build_bundle().hash  # from DFLASHCTL_BUNDLE_HASH set by the bootstrap
+        assert [g["used_mib"] for g in ping["gpus"]["gpus"]] == [0, 0, 30000, 0]
+        assert ping["gpus"]["reason"] is None
+        assert ping["workdir"]["writable"] and ping["inductor_cache_dir"]["path"] == ct.workdir + "/inductor-cache"
+
+        gpus = target.agent("gpus")
+        assert [g["index"] for g in gpus["gpus"]] == [0, 1, 2, 3]
+        assert gpus["gpus"][2]["used_mib"] == 30000 and gpus["gpus"][2]["total_mib"] > 30000
+        assert all(g["uuid"].startswith("GPU-") for g in gpus["gpus"])
+        assert len(pve.pct_exec_calls(320)) == 2
+    finally:
+        target.close()
+
+
+def test_gpus_in_a_container_without_nvidia_smi(pve, tmp_path):
+    from orchestrator.target import open_target
+
+    if any(os.access(os.path.join(d, "nvidia-smi"), os.X_OK) for d in ("/usr/bin", "/usr/sbin", "/usr/local/bin")):
+        pytest.skip("the fake containers share this machine's /usr, which has a real nvidia-smi")
+
+    ct = pve.create_container(321, gpus=0)
+    target = open_target(container_inventory(tmp_path, pve, 321, ct.workdir), "ct")
+    try:
+        out = target.agent("gpus")
+    finally:
+        target.close()
+    assert out["gpus"] == [] and "nvidia-smi not found" in out["reason"]
