@@ -14,8 +14,6 @@ import json
 import os
 import re
 import select
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +27,7 @@ EVENT_BYTES = 256 << 10
 # A "line" longer than this without a newline is handed out anyway, or the follower would stall forever.
 MAX_LINE = 1 << 20
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$")  # as orchestrator.agent.runs.RUN_ID
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -126,19 +124,25 @@ def resolve_run(workdir: str | Path, run_id: str | None = None, experiment: str 
     )
 
 
-def session_alive(name: str | None) -> bool | None:
-    """Whether tmux has a session `name`; None when that cannot be known (no name, no tmux binary)."""
-    if not name:
-        return None
-    tmux = shutil.which("tmux")
-    if tmux is None:
+def session_alive(ref: RunRef) -> bool | None:
+    """Whether the tmux session running THIS run lives with a live pane; None when tmux cannot tell.
+
+    Launch tags each session with the run id (`@dflash_run`) and keeps dead panes (remain-on-exit), so a
+    session of the same name that runs a later run, or whose pane died, does not count as this run alive.
+    A session without the tag (started by hand) is matched by name.
+    """
+    from orchestrator.agent import tmuxctl
+
+    if not ref.session:
         return None
     try:
-        proc = subprocess.run([tmux, "has-session", "-t", f"={name}"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.returncode == 0
+        sessions = tmuxctl.list_sessions()
+    except AgentFailure:
+        return None  # no tmux or no libtmux here: the pid file may still tell
+    for s in sessions:
+        if s["name"] == ref.session and s.get("run_id") in (None, ref.run_id):
+            return not s.get("dead")
+    return False
 
 
 def pid_alive(ref: RunRef) -> bool | None:
@@ -158,7 +162,7 @@ def pid_alive(ref: RunRef) -> bool | None:
 
 def run_alive(ref: RunRef) -> bool | None:
     """The run's session is alive (tmux), else, where tmux cannot tell, whether its command's pid is."""
-    alive = session_alive(ref.session)
+    alive = session_alive(ref)
     return pid_alive(ref) if alive is None else alive
 
 

@@ -29,6 +29,8 @@ EXIT_NO_RUN = 4
 
 # Severities of signatures that name why a run died (others are warnings: a slowdown, a recompile).
 CRASH_SEVERITIES = frozenset({"fatal", "critical", "error", "crash"})
+# The matcher's id for a traceback no catalogue entry explains: a crash, but not a "known" one.
+UNCLASSIFIED = "unclassified-traceback"
 
 
 @dataclass
@@ -72,7 +74,10 @@ class FollowOutcome:
 
     @property
     def crash_matches(self) -> list:
-        return [m for m in self.matches if _severity(m) in CRASH_SEVERITIES]
+        """Matches of a known signature severe enough to name why the run died (not warnings, not an
+        unclassified traceback)."""
+        return [m for m in self.matches
+                if _severity(m) in CRASH_SEVERITIES and _signature_id(m) != UNCLASSIFIED]
 
     @property
     def exit_code(self) -> int:
@@ -98,6 +103,13 @@ class FollowOutcome:
             "alerts": [_plain(a) for a in self.alerts],
             "error": self.error,
         }
+
+
+def _signature_id(match: Any) -> str | None:
+    sig = getattr(match, "signature", None)
+    if isinstance(match, dict):
+        sig = match.get("signature")
+    return sig if isinstance(sig, str) or sig is None else getattr(sig, "id", None)
 
 
 def _severity(match: Any) -> str:

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.agent import tmuxctl
 from orchestrator.errors import RunNotFound
 from orchestrator.ops.logs import Backoff, FollowOutcome, LogHealth, follow, resolve
 from orchestrator.target import LocalTarget
 from orchestrator.transport.local import LocalTransport
+from orchestrator.transport.quoting import render
 
 ROOT = Path(__file__).resolve().parents[2]
 START = ROOT / "orchestrator" / "templates" / "start_training.sh"
@@ -61,8 +63,9 @@ def start_run(workdir: Path, run_id: str, experiment: str, argv: list[str], crea
     run = workdir / "runs" / run_id
     run.mkdir(parents=True)
     (run / "run.json").write_text(json.dumps({"experiment": experiment, "run_id": run_id, "created": created}))
-    subprocess.run(["tmux", "new-session", "-d", "-s", f"dflash-{experiment}", "bash", str(START), str(run), "--", *argv],
-                   check=True, timeout=10)
+    # The launcher's own session maker: remain-on-exit and the @dflash_run tag, as real runs have.
+    tmuxctl.new_session(tmuxctl.session_name(experiment), render(["bash", str(START), str(run), "--", *argv]),
+                        str(workdir), run_id)
     return run
 
 
@@ -150,13 +153,23 @@ def test_crash_without_exit_json_is_crashed(tmp_path):
                               capture_output=True, text=True).stdout.split()
         os.killpg(int((run / "pid").read_text()), signal.SIGKILL)
         for pid in pane:
-            os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["tmux", "kill-server"], capture_output=True)
+            os.kill(int(pid), signal.SIGKILL)  # the pane stays, dead (remain-on-exit)
 
     threading.Timer(1.0, container_stop).start()
     out = follow(local_target(tmp_path), "r-crash", backoff=FAST, heartbeat=0.3)
     assert out.state == "crashed" and out.exit is None and not (run / "exit.json").exists()
     assert out.exit_code == 1  # no known signature in the log
+
+
+def test_a_later_run_in_the_same_session_name_does_not_keep_an_old_run_alive(tmp_path):
+    # r-old never wrote exit.json; its experiment's session now runs r-new (tagged with r-new's id).
+    old = tmp_path / "runs" / "r-old"
+    old.mkdir(parents=True)
+    (old / "run.json").write_text(json.dumps({"experiment": "same", "run_id": "r-old", "created": "2026-01-01"}))
+    start_run(tmp_path, "r-new", "same", writer_argv(3, pause=20), created="2026-01-02")
+    out = follow(local_target(tmp_path), "r-old", follow=False)
+    assert out.state == "crashed"
+    assert follow(local_target(tmp_path), "r-new", follow=False).state == "running"
 
 
 class _Sig:
@@ -294,3 +307,100 @@ def test_outcome_json_shape():
     d = o.to_dict()
     assert d["exit_code"] == 2 and d["matches"][0]["id"] == "nccl-timeout"
     json.dumps(d)
+
+
+# ------------------------------------------------------------------------------- through the fake Proxmox host
+
+CT_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    n, batch, pause, release = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    for start in range(0, n - 1, batch):
+        sys.stdout.write("".join("line %06d\\n" % i for i in range(start, min(n - 1, start + batch))))
+        sys.stdout.flush()
+        time.sleep(pause)
+    # hold the last line back until the test has made all its cuts, so every cut falls inside the run
+    deadline = time.time() + 120
+    while not os.path.exists(release) and time.time() < deadline:
+        time.sleep(0.05)
+    sys.stdout.write("line %06d\\n" % (n - 1))
+    """
+)
+
+
+def start_ct_run(ct, run_id: str, experiment: str, argv: list[str]) -> Path:
+    """A run inside the container the way launch makes one: run dir, then start_training.sh in a tagged tmux
+    session with remain-on-exit, started by an exec inside the container."""
+    run = Path(ct.workdir) / "runs" / run_id
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"experiment": experiment, "run_id": run_id,
+                                              "created": "2026-01-01T00:00:00Z"}))
+    session = f"dflash-{experiment}"
+    res = ct.exec(["tmux", "new-session", "-d", "-s", session, render(["bash", str(START), str(run), "--", *argv]),
+                   ";", "set-option", "-t", session, "remain-on-exit", "on",
+                   ";", "set-option", "-t", session, "@dflash_run", run_id])
+    assert res.returncode == 0, res.stderr
+    return run
+
+
+def sshd_children(main_pid: int) -> list[int]:
+    """The per-connection sshd processes (children of the listening sshd)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == main_pid:
+                out.append(int(entry))
+    return out
+
+
+def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
+    from orchestrator.target import ContainerTarget
+
+    ct = fake_pve.create_container(231, gpus=0)
+    n = 100_000
+    run = start_ct_run(ct, "cut-1", "cutexp", ["python3", "-c", CT_WRITER, str(n), "400", "0.05",
+                                               str(Path(ct.workdir) / "release")])
+    target = ContainerTarget(name="ct231", workdir=ct.workdir, transport=fake_pve.pct_transport(231))
+    lines: list[str] = []
+    cuts: list[int] = []
+    stop = threading.Event()
+
+    def cutter() -> None:
+        # Sever the SSH connection (kill the sshd process serving it) each time the follow has made progress
+        # on a fresh connection; after 20 cuts let the writer finish.
+        seen = 0
+        while not stop.is_set() and len(cuts) < 20:
+            time.sleep(random.uniform(0.15, 0.35))
+            if len(lines) <= seen:
+                continue
+            victims = sshd_children(fake_pve._sshd.pid)
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if victims:
+                cuts.append(len(lines))
+                seen = len(lines)
+        Path(ct.workdir, "release").touch()
+
+    t = threading.Thread(target=cutter, daemon=True)
+    t.start()
+    try:
+        out = follow(target, "cut-1", on_line=lines.append, backoff=FAST, heartbeat=1.0)
+    finally:
+        stop.set()
+        Path(ct.workdir, "release").touch()
+        target.close()
+    t.join(10)
+    assert len(cuts) == 20
+    assert cuts[-1] < n, "every cut fell inside the run"
+    assert numbered(lines) == [f"line {i:06d}" for i in range(n)]  # each exactly once, in order
+    assert out.state == "succeeded" and out.exit_code == 0 and json.loads((run / "exit.json").read_text())["exit_code"] == 0
+    assert out.reconnects >= 20
+    # one pct exec per (re)connect; the first use also copies the bundle in (a refused exec, the copy, again)
+    assert len(fake_pve.pct_exec_calls(231)) <= out.reconnects + 3

@@ -276,7 +276,7 @@ def test_pid_file_tells_liveness_without_a_session(tmp_path, monkeypatch):
     proc = subprocess.Popen(["sleep", "30"])
     try:
         (run / "pid").write_text(str(proc.pid))
-        monkeypatch.setattr("orchestrator.agent.tailer.session_alive", lambda name: None)
+        monkeypatch.setattr("orchestrator.agent.tailer.session_alive", lambda ref: None)
         ev = Events()
         assert tail_verb.run({"workdir": str(tmp_path), "run_id": "r1"}, ev.emit)["state"] == "running"
         proc.kill()
