@@ -13,6 +13,7 @@ Host keys: known_hosts is the truth (see hostkeys.py); fabric's default AutoAddP
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import threading
@@ -22,6 +23,10 @@ from collections.abc import Sequence
 from orchestrator.errors import ConnectError, HostKeyError
 from orchestrator.transport.base import CommandTimeout, Result, StreamCallback
 from orchestrator.transport.quoting import render
+
+# paramiko logs handshake failures at ERROR; without a handler Python prints them on stderr next to
+# our own readable message. The exception carries the same text.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 _CHUNK = 32768
 _TAIL = 16384
@@ -143,13 +148,22 @@ class SSHTransport:
             raise ConnectError(f"cannot resolve host name {conn.host!r} ({exc})",
                                fix=f"fix the hostname of host {self.label} in inventory.yaml or ~/.ssh/config") from None
         except (paramiko.SSHException, EOFError, OSError) as exc:
+            # The handshake thread's own error (e.g. no banner) is more telling than what connect() says
+            # after it ("No existing session").
+            t = conn.client.get_transport()
+            inner = getattr(t, "saved_exception", None) if t is not None else None
             conn.close()
             text = str(exc) or type(exc).__name__
+            if inner is not None and str(inner) not in text:
+                text = f"{inner}; {text}"
             if isinstance(exc, ConnectionRefusedError) or "Unable to connect" in text or "refused" in text.lower():
                 msg = f"SSH connection to {where} refused ({text})"
                 fix = f"check that sshd runs on {conn.host} and listens on port {conn.port}"
-            elif "banner" in text.lower():
-                msg = f"SSH connection to {where}: no SSH banner within {self.connect_timeout:.0f} s ({text})"
+            elif "banner" in text.lower() or "No existing session" in text:
+                # paramiko's start_client returns silently when its timeout passes mid-handshake, and the
+                # next step then reports "No existing session": both mean the handshake never completed.
+                msg = (f"SSH connection to {where}: the SSH handshake (banner, key exchange) did not complete "
+                       f"within {self.connect_timeout:.0f} s ({text})")
                 fix = f"check that port {conn.port} on {conn.host} is sshd (not another service) and not overloaded"
             else:
                 msg = f"SSH connection to {where} failed: {text}"

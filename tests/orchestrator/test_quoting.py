@@ -1,0 +1,59 @@
+"""The one quoting function: golden strings, and a round trip through a real POSIX shell."""
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from fakehost.strings import HOSTILE, PRINT_ARGV
+from orchestrator.transport.quoting import render, with_env
+
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["echo", "hi"], "echo hi"),
+        (["echo", "a b"], "echo 'a b'"),
+        (["echo", "it's"], "echo 'it'\"'\"'s'"),
+        (["echo", ""], "echo ''"),
+        (["echo", "$(id)"], "echo '$(id)'"),
+        (["echo", "*"], "echo '*'"),
+        (["ls", "-la"], "ls -la"),
+        (["printf", "%s\n", "x"], "printf '%s\n' x"),
+    ],
+)
+def test_render_golden(argv, expected):
+    assert render(argv) == expected
+
+
+def test_render_splits_back_into_the_same_argv():
+    argv = ["python3", "-c", "x", *HOSTILE]
+    assert shlex.split(render(argv)) == argv
+
+
+def test_render_round_trips_through_a_real_shell():
+    # /bin/sh parses the rendered line exactly once, as the SSH server's login shell does.
+    argv = [sys.executable, "-c", PRINT_ARGV, *HOSTILE]
+    out = subprocess.run(["/bin/sh", "-c", render(argv)], capture_output=True, check=True).stdout
+    assert json.loads(out) == HOSTILE
+
+
+@pytest.mark.parametrize("bad, what", [([], "empty argv"), (["a\x00b"], "NUL"), (["echo", 3], "must be str")])
+def test_render_refuses_what_no_shell_can_carry(bad, what):
+    with pytest.raises(ValueError, match=what):
+        render(bad)
+
+
+def test_with_env_golden():
+    assert with_env({"HOME": "/root", "A": "x y"}, ["true"]) == ["env", "-i", "HOME=/root", "A=x y", "true"]
+    assert with_env({"A": "1"}, ["true"], clear=False) == ["env", "A=1", "true"]
+    assert render(with_env({"A": "$(id)"}, ["true"])) == "env -i 'A=$(id)' true"
+
+
+@pytest.mark.parametrize("key", ["", "A=B", "1A", "A-B", "A B"])
+def test_with_env_refuses_bad_names(key):
+    with pytest.raises(ValueError, match="bad environment variable name"):
+        with_env({key: "v"}, ["true"])
