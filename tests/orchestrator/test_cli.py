@@ -115,3 +115,35 @@ def test_env_inventory_is_used(tmp_path):
     res = cli("doctor", "--json", env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["checks"][-1]["detail"] == str(tmp_path / "work" / "inductor-cache")
+
+
+def test_trust_records_the_key_and_refuses_a_changed_one(pve, tmp_path):
+    import yaml
+
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"pve1": dict(pve.host_entry(), known_hosts=str(known))}}))
+
+    res = cli("-i", str(inv), "trust", "pve1")
+    assert res.returncode == 0, res.stderr
+    assert "trusted pve1" in res.stdout and "SHA256:" in res.stdout
+    line = known.read_text().strip()
+    assert line.startswith(f"[127.0.0.1]:{pve.port} ssh-ed25519 ")
+    assert cli("-i", str(inv), "trust", "pve1").returncode == 0  # idempotent
+    assert known.read_text().strip() == line
+
+    # Another key on record for this host: refused, never replaced.
+    other = "AAAAC3NzaC1lZDI1NTE5AAAAIBcdBSeHUjyQoKsR3O3ayNXjQ3W0xVMm6eH8m2Dz2LrQ"
+    known.write_text(f"[127.0.0.1]:{pve.port} ssh-ed25519 {other}\n")
+    res = cli("-i", str(inv), "trust", "pve1")
+    assert res.returncode == 1
+    assert other in known.read_text()
+    assert "error:" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_trust_unknown_host_is_suggested(tmp_path):
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("hosts:\n  pve1: {ssh: example.invalid}\n")
+    res = cli("-i", str(inv), "trust", "pve2")
+    assert res.returncode == 1 and "did you mean 'pve1'?" in res.stderr
