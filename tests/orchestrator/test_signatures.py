@@ -1,0 +1,244 @@
+"""The catalogue and the matcher: every signature on a realistic fixture, traceback grouping, a clean
+100,000-line log with no match, streaming == block scanning, and catalogue validation errors."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import InventoryError
+from orchestrator.signatures import (
+    SEVERITY_RANK,
+    UNCLASSIFIED,
+    Matcher,
+    load_catalogue,
+    match_exit,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "signatures"
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    return load_catalogue()
+
+
+def run_lines(catalogue, text: str):
+    m = Matcher(catalogue)
+    events = []
+    # split("\n"), not splitlines(): splitlines also splits on "\r" and would renumber progress bars.
+    lines = text.split("\n")
+    for line in lines[:-1] if lines[-1] == "" else lines:
+        events.extend(m.feed_line(line))
+    return events + m.finish()
+
+
+def run_blocks(catalogue, data: bytes, size: int):
+    m = Matcher(catalogue)
+    events, start = [], 0
+    while start < len(data):
+        cut = data.rfind(b"\n", start, start + size) + 1
+        cut = len(data) if cut <= start else cut
+        events.extend(m.scan_chunk(data[start:cut]))
+        start = cut
+    return events + m.finish(), m.line_no
+
+
+def top(events):
+    classified = [e for e in events if e.signature != UNCLASSIFIED]
+    return max(classified, key=lambda e: (SEVERITY_RANK[e.severity], _prio(e))) if classified else None
+
+
+def _prio(event):
+    return load_catalogue().get(event.signature).priority
+
+
+def test_every_signature_has_a_fixture(catalogue):
+    ids = {s.id for s in catalogue}
+    assert ids == {p.stem for p in FIXTURES.glob("*.log")}
+    assert len(ids) >= 16
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURES.glob("*.log")), ids=lambda p: p.stem)
+def test_fixture_matches_its_signature(catalogue, fixture):
+    events = run_lines(catalogue, fixture.read_text())
+    assert top(events) is not None, f"{fixture.name}: nothing matched"
+    assert top(events).signature == fixture.stem
+    # The block scanner (diagnose's fast path) finds exactly the same events, at any block size.
+    for size in (64, 1000, 1 << 20):
+        blocks, _ = run_blocks(catalogue, fixture.read_bytes(), size)
+        assert [e.to_dict() for e in blocks] == [e.to_dict() for e in events]
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURES.glob("*.log")), ids=lambda p: p.stem)
+def test_prefilter_covers_every_pattern_hit(catalogue, fixture):
+    # A line a pattern matches must also hit the prefilter, or block scanning would skip it.
+    for line in fixture.read_text().splitlines():
+        for sig, _ in catalogue.match_text(line):
+            assert catalogue.prefilter.search(line), f"{sig.id}: prefilter misses {line!r}"
+
+
+def test_fx_race_is_one_event_with_compile_wrapper_as_last_frame(catalogue):
+    events = run_lines(catalogue, (FIXTURES / "fx-tracing-race.log").read_text())
+    assert len(events) == 1
+    ev = events[0]
+    assert ev.kind == "traceback" and ev.line_no == 5 and ev.end_line_no == 37
+    assert ev.last_frame.function == "compile_wrapper"
+    assert ev.last_frame.file.endswith("torch/_dynamo/eval_frame.py") and ev.last_frame.line == 817
+    assert ev.exception.startswith("RuntimeError: Detected that you are using FX")
+    sig = catalogue.get(ev.signature)
+    assert "module_call_wrapper" in sig.diagnosis and "transformers" in sig.diagnosis
+    assert any("transformers" in n for n in sig.not_this)
+    assert any("venv" in n for n in sig.not_this)
+    assert any("one GPU" in n for n in sig.not_this)
+
+
+def test_missing_module_names_the_module(catalogue):
+    ev = top(run_lines(catalogue, (FIXTURES / "missing-module.log").read_text()))
+    assert ev.groups == {"module": "accelerate"}
+    text = catalogue.get(ev.signature).render(ev.groups)
+    assert "accelerate" in text["title"] and "accelerate" in text["fix"] and "rebuild-venv" in text["fix"]
+
+
+def test_chained_traceback_is_one_event_with_all_exceptions(catalogue):
+    events = run_lines(catalogue, (FIXTURES / "disk-full.log").read_text())
+    assert len(events) == 1
+    ev = events[0]
+    assert len(ev.exceptions) == 3
+    assert ev.exception.startswith("OSError: [Errno 28]")
+    assert ev.last_frame.file.endswith("trainer/checkpoint.py") and ev.last_frame.line == 101
+
+
+def test_rank_prefixed_traceback_tolerates_interleaved_ranks(catalogue):
+    text = (
+        "[rank5]: Traceback (most recent call last):\n"
+        '[rank5]:   File "/x/loop.py", line 10, in step\n'
+        "[rank6]: [train] step 3 | loss 2.1\n"
+        "[rank5]:     loss.backward()\n"
+        "[rank5]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.\n"
+        "[train] step 4 | loss 2.0\n"
+    )
+    events = run_lines(catalogue, text)
+    assert [(e.signature, e.kind, e.line_no, e.end_line_no) for e in events] == [("cuda-oom", "traceback", 1, 5)]
+    assert events[0].last_frame.function == "step"
+
+
+def test_progress_bar_glued_to_traceback_with_carriage_returns(catalogue):
+    text = (
+        "epoch 0:  10%|#         | 1/10 [00:01<00:09]\repoch 0:  20%|##        | 2/10 [00:02<00:08]"
+        "Traceback (most recent call last):\n"
+        '  File "/x/train.py", line 5, in <module>\n'
+        "    main()\n"
+        "ModuleNotFoundError: No module named 'flash_attn'\n"
+    )
+    events = run_lines(catalogue, text)
+    assert [(e.signature, e.line_no, e.groups) for e in events] == [("missing-module", 1, {"module": "flash_attn"})]
+
+
+def test_unknown_traceback_is_one_unclassified_event(catalogue):
+    text = 'Traceback (most recent call last):\n  File "/x.py", line 1, in f\n    g()\nKeyError: \'x\'\n\nnext\n'
+    events = run_lines(catalogue, text)
+    assert [(e.signature, e.severity, e.exception) for e in events] == [(UNCLASSIFIED, "error", "KeyError: 'x'")]
+
+
+def clean_log_lines(n: int, seed: int = 0) -> list[str]:
+    """A realistic healthy training log: trainer step lines, metrics-style lines, and warnings that are
+    not errors (deprecations, dataloader, tokenizer, NCCL info, one-off recompile info)."""
+    rnd = random.Random(seed)
+    noise = [
+        "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py:617: UserWarning: This DataLoader will create 8 worker processes in total. Our suggested max number of worker in current system is 4.\n",
+        "/venv/lib/python3.11/site-packages/transformers/utils/generic.py:441: FutureWarning: `torch.utils._pytree._register_pytree_node` is deprecated.\n",
+        "W0611 10:00:01.000000 100 torch/_inductor/utils.py:1250] [0/0] Not enough SMs to use max_autotune_gemm mode\n",
+        "ct200:4120:4120 [0] NCCL INFO Bootstrap : Using eth0:10.10.0.12<0>\n",
+        "ct200:4120:4120 [0] NCCL INFO NET/Plugin: No plugin found (libnccl-net.so), using internal implementation\n",
+        "huggingface/tokenizers: The current process just got forked, after parallelism has already been used. Disabling parallelism to avoid deadlocks...\n",
+        "2025-06-11 10:00:02,001 INFO trainer.checkpoint: saved checkpoint step-1000 (1.21 GiB) in 3.2 s; pruned step-500\n",
+        "2025-06-11 10:00:02,002 INFO trainer.eval: held-out tau 3.412 (accept lengths mean 3.41, p50 3, p90 6)\n",
+        "warmup gpu 5: compile 41.2 s (cache miss), gpu 6: 3.1 s (cache hit), gpu 7: 3.0 s (cache hit)\n",
+        "memory: rss 9120 MiB, cuda peak 61234 MiB (limit 81559 MiB), no inf/nan in gradients this epoch\n",
+    ]
+    out = []
+    for step in range(n):
+        k = rnd.random()
+        if k < 0.85:
+            out.append(
+                f"step {step}/{n} ep {step // 5000} loss {rnd.uniform(0.8, 4.0):.4f} acc {rnd.random():.3f} "
+                f"sim_tau {rnd.uniform(1, 6):.2f} {rnd.uniform(18000, 21000):.0f} tok/s lr {3e-4:.2e} rss {rnd.uniform(9000, 9100):.0f}MB\n"
+            )
+        elif k < 0.93:
+            out.append(
+                f'{{"kind":"train","step":{step},"loss":{rnd.uniform(0.8, 4):.4f},"acc":{rnd.random():.3f},'
+                f'"tokens_per_s":{rnd.uniform(18000, 21000):.1f},"rss_mb":{rnd.uniform(9000, 9100):.1f},"time":{1.7e9 + step:.3f}}}\n'
+            )
+        else:
+            out.append(rnd.choice(noise))
+    return out
+
+
+def test_clean_100k_line_log_has_no_match(catalogue):
+    lines = clean_log_lines(100_000)
+    assert len(lines) == 100_000
+    m = Matcher(catalogue)
+    events = [e for line in lines for e in m.feed_line(line)] + m.finish()
+    assert events == []
+    blocks, line_no = run_blocks(catalogue, "".join(lines).encode(), 1 << 20)
+    assert blocks == [] and line_no == 100_000
+    # The same log with one crash appended is caught at the right line (the test can fail).
+    crash = (FIXTURES / "cuda-oom.log").read_text()
+    blocks, _ = run_blocks(catalogue, ("".join(lines) + crash).encode(), 1 << 20)
+    assert [(e.signature, e.line_no) for e in blocks] == [("cuda-oom", 100_003)]
+
+
+def test_trainer_nan_metric_lines_match(catalogue):
+    for line in ["step 12/100 ep 0 loss nan acc 0.000 sim_tau 1.00 20000 tok/s lr 3.00e-04 rss 9000MB",
+                 '{"kind":"train","step":12,"loss":"nan","acc":0.0}', "[train] step 12 | loss inf | acc 0.0",
+                 "Loss is NaN, stopping training"]:
+        assert [e.signature for e in run_lines(catalogue, line + "\n")] == ["nan-loss"], line
+    for line in ["loss 0.8812 finance nan-free", "Loss scaler: skipping step, overflow"]:
+        assert run_lines(catalogue, line + "\n") == [], line
+
+
+def test_match_exit(catalogue):
+    assert match_exit(catalogue, 137, None).signature == "host-oom-kill"
+    assert match_exit(catalogue, None, "SIGSEGV").signature == "segfault"
+    assert match_exit(catalogue, 1, None) is None
+
+
+def test_inventory_entries_extend_and_override(catalogue):
+    extra = [
+        {"id": "cuda-oom", "severity": "error"},
+        {"id": "my-assert", "patterns": [r"MyCheck failed: (?P<what>\w+)"], "severity": "fatal",
+         "title": "custom check {what}", "diagnosis": "d", "fix": "f"},
+    ]
+    cat = load_catalogue(extra)
+    assert cat.get("cuda-oom").severity == "error" and cat.get("cuda-oom").patterns == catalogue.get("cuda-oom").patterns
+    events = run_lines(cat, "x\nMyCheck failed: shapes\n")
+    assert [(e.signature, e.title) for e in events] == [("my-assert", "custom check shapes")]
+    # No prefilter given: the literal "MyCheck failed: " was derived, so block scanning finds it too.
+    blocks, _ = run_blocks(cat, b"x\nMyCheck failed: shapes\n", 1 << 20)
+    assert [e.signature for e in blocks] == ["my-assert"]
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"id": "x", "patterns": ["("], "severity": "fatal", "title": "t", "diagnosis": "d", "fix": "f"}, "patterns[0]"),
+    ({"id": "x", "patterns": ["a"], "severity": "deadly", "title": "t", "diagnosis": "d", "fix": "f"}, "severity 'deadly'"),
+    ({"id": "x", "patterns": ["a"], "severity": "fatal", "title": "t", "diagnosis": "d"}, "missing fix"),
+    ({"id": "x", "patterns": ["a"], "severity": "fatal", "title": "t", "diagnosis": "d", "fix": "f", "sevrity": 1}, "unknown key(s) sevrity"),
+    ({"id": "Bad Id", "patterns": ["a"], "severity": "fatal", "title": "t", "diagnosis": "d", "fix": "f"}, "bad id"),
+    ({"id": "x", "patterns": ["(?i)a"], "severity": "fatal", "title": "t", "diagnosis": "d", "fix": "f"}, "(?i:"),
+])
+def test_bad_entries_are_clear_errors(entry, words):
+    with pytest.raises(InventoryError) as info:
+        load_catalogue([entry])
+    text = str(info.value)
+    assert "inventory signatures[0]" in text and words in text, text
+
+
+def test_shipped_patterns_are_grep_compatible(catalogue):
+    # bench/diagnose_vs_grep.py converts them to ERE; no lookarounds or lazy quantifiers may sneak in.
+    for sig in catalogue:
+        for pat in sig.patterns:
+            assert not re.search(r"\(\?[=!<]|[*+?}]\?", pat.replace("(?P<", "(")), (sig.id, pat)
