@@ -272,3 +272,20 @@ def test_lookup_refuses_unsafe_name_before_searching(tmp_path):
     inv = load_inventory(write(tmp_path, BASE))
     with pytest.raises(UserError, match="bad experiment name"):
         inv.experiment("../tiny")
+
+
+def test_the_embedded_default_is_packaged():
+    import tomllib
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "default_inventory.yaml" in meta["tool"]["setuptools"]["package-data"]["orchestrator"]
+    assert parse_inventory(embedded_text(), EMBEDDED).experiment("tiny").kind == "dflash"
+
+
+def test_local_workdir_defaults_to_the_user_data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    inv = parse_inventory("targets:\n  local: {kind: local}\nvenvs:\n  workstation: {kind: workstation}\n")
+    assert inv.target("local").resolved_workdir() == tmp_path / "data" / "dflashctl" / "local"
+    monkeypatch.setenv("SOMEWHERE", str(tmp_path / "w"))
+    inv = parse_inventory("targets:\n  local: {kind: local, workdir: $SOMEWHERE/x}\nvenvs:\n  workstation: {kind: workstation}\n")
+    assert inv.target("local").resolved_workdir() == tmp_path / "w" / "x"
