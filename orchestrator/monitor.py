@@ -119,8 +119,9 @@ class MemoryGrowth:
     """A memory field rising steadily for `seconds` (after warm-up it should be flat).
 
     The slope is a least-squares fit over the records of the last `seconds`; it fires when the window is
-    full, the slope is at least `min_slope_mib_per_min` and the total rise over the window at least
-    `min_rise_mib` (a single step up, e.g. a new shape, is not growth).
+    full, the slope is at least `min_slope_mib_per_min`, the total rise over the window at least
+    `min_rise_mib`, and each half of the window holds at least a quarter of the rise (a single step up,
+    e.g. a new shape, is not growth).
 
     Args:
         seconds: window length.
@@ -163,7 +164,12 @@ class MemoryGrowth:
                 continue
             slope = _slope(series)
             rise = series[-1][1] - series[0][1]
-            growing = slope >= self.min_slope and rise >= self.min_rise
+            # Steady, not a step: both halves of the window must rise (a new shape or cache allocation
+            # lifts memory once and then stays flat; that is not a leak).
+            mid_t = (series[0][0] + now) / 2
+            mid_v = min(series, key=lambda p: abs(p[0] - mid_t))[1]
+            halves = min(mid_v - series[0][1], series[-1][1] - mid_v)
+            growing = slope >= self.min_slope and rise >= self.min_rise and halves >= rise / 4
             if not growing:
                 self._fired.discard(key)
             elif key not in self._fired:
