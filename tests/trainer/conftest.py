@@ -8,6 +8,10 @@ import torch
 from trainer.config import ModelConfig
 from trainer.features import TargetModel
 
+# Models here are tiny: a matmul is microseconds, so intra-op threads only add synchronisation, and on a
+# shared 2-core box (other test processes running) that spinning made each step ~10x slower.
+torch.set_num_threads(1)
+
 VOCAB = 256
 MASK_ID = VOCAB - 1  # a row of the embedding that normal text never uses
 
