@@ -454,12 +454,9 @@ def resolve(inv, ref: str | None, target: str | None) -> tuple[str, str | None, 
 
 
 class LogHealth:
-    """The follower's health checks over the streamed metrics and heartbeats.
-
-    Throughput regression and memory growth come from `orchestrator.monitor` (when that module is present);
-    the hang check lives here because only the follower sees heartbeats: the session is alive, yet neither
-    train.log nor metrics.jsonl grew for `hang_seconds`. Each method returns the new alerts (dicts with at
-    least `kind` and `message`); a hang alert fires once per silent stretch.
+    """The follower's health checks, fed from the stream: `orchestrator.monitor`'s ThroughputRegression and
+    MemoryGrowth over each metrics record, and its HangDetector over each heartbeat (the session alive, yet
+    neither train.log nor metrics.jsonl grew for `hang_seconds`). Each method returns the new alerts.
 
     Args:
         cfg: the inventory's `monitor:` section (regression_fraction, regression_seconds, hang_seconds,
@@ -468,98 +465,72 @@ class LogHealth:
     """
 
     def __init__(self, cfg, clock: Callable[[], float] = time.monotonic):
-        self.cfg = cfg
-        self.clock = clock
-        self.hang_seconds = float(getattr(cfg, "hang_seconds", 600))
-        self._last_sizes: tuple | None = None
-        self._last_change = clock()
-        self._hang_reported = False
-        self._monitors = self._build_monitors()
+        from orchestrator import monitor
 
-    def _build_monitors(self) -> list:
-        try:
-            from orchestrator import monitor
-        except ImportError:
-            return []
-        return monitor.build_monitors(self.cfg) if hasattr(monitor, "build_monitors") else []
+        self.clock = clock
+        self.monitors = monitor.build_monitors(cfg)
+        self.hang = monitor.HangDetector(float(getattr(cfg, "hang_seconds", 600)))
 
     def set_baseline(self, baseline: dict) -> None:
-        for mon in self._monitors:
-            fn = getattr(mon, "set_baseline", None)
-            if callable(fn):
-                fn(baseline)
+        for mon in self.monitors:
+            if hasattr(mon, "set_baseline"):
+                mon.set_baseline(baseline)
 
     def metrics(self, records: list[dict]) -> list:
-        self._activity()
         alerts: list = []
         for rec in records:
-            for mon in self._monitors:
+            for mon in self.monitors:
                 alerts.extend(mon.feed(rec) or [])
         return alerts
 
     def log_activity(self, offset: int) -> list:
-        self._activity()
-        return []
-
-    def _activity(self) -> None:
-        self._last_change = self.clock()
-        self._hang_reported = False
+        return []  # the heartbeat carries the sizes the hang check needs
 
     def heartbeat(self, ev: dict) -> list:
-        now = self.clock()
-        sizes = (ev.get("log_size"), ev.get("metrics_size"))
-        if sizes != self._last_sizes:
-            self._last_sizes = sizes
-            self._activity()
-            return []
-        if ev.get("session_alive") is not True or self._hang_reported:
-            return []
-        silent = now - self._last_change
-        if silent >= self.hang_seconds:
-            self._hang_reported = True
-            return [{
-                "kind": "hang",
-                "severity": "error",
-                "message": f"the run's session is alive but its log and metrics have not grown for {silent:.0f} s",
-                "silent_s": round(silent, 1),
-                "fix": "look at the GPUs (dflashctl status) and the pane (dflashctl attach); "
-                       "a stuck NCCL collective or a dead data worker are the usual causes",
-            }]
-        return []
+        return self.hang.feed(self.clock(), int(ev.get("log_size") or 0), int(ev.get("metrics_size") or 0),
+                              ev.get("session_alive") is True)
 
     def finished(self, outcome: FollowOutcome) -> list:
         return []
 
 
 def build_matcher(inv):
-    """The signature matcher over the shipped catalogue plus the inventory's `signatures:`; None if the
-    signatures module is not available."""
-    try:
-        from orchestrator.signatures import Matcher, load_catalogue
-    except ImportError:
-        return None
-    return Matcher(load_catalogue(inv.signatures))
+    """The signature matcher over the shipped catalogue plus the inventory's `signatures:`."""
+    from orchestrator.signatures import Matcher, load_catalogue
+
+    return Matcher(load_catalogue(inv.signatures or None))
 
 
-def _notify(inv, event: dict) -> None:
+def explain(matcher, match) -> dict:
+    """A match as a dict with its signature's title, diagnosis, fix and not_this filled in."""
+    out = _match_dict(match)
+    catalogue = getattr(matcher, "catalogue", None)
+    sig_id = _signature_id(match)
+    if catalogue is not None and sig_id in getattr(catalogue, "by_id", {}):
+        out.update(catalogue.get(sig_id).render(getattr(match, "groups", None) or {}))
+    return out
+
+
+def _exit_match(matcher, outcome: FollowOutcome) -> None:
+    """A run killed by a signal prints no traceback: name it from exit.json (137 -> host OOM kill)."""
+    if outcome.state != "failed" or outcome.crash_matches or matcher is None or not outcome.exit:
+        return
+    from orchestrator.signatures import match_exit
+
+    m = match_exit(matcher.catalogue, outcome.exit.get("exit_code"), outcome.exit.get("signal"))
+    if m is not None:
+        outcome.matches.append(m)
+
+
+def _notify(inv, kind: str, run_id: str | None, experiment: str | None, message: str, diagnosis: dict | None,
+            **extra) -> None:
     cfg = inv.notify
-    if not (cfg.webhook or cfg.command):
+    if not (cfg.webhook or cfg.command) or not run_id:
         return
-    try:
-        from orchestrator.notify import notify
-    except ImportError:
-        return
-    notify(cfg, event)
+    from orchestrator.notify import EVENT_KINDS, make_event, notify
 
-
-def notification(kind: str, outcome_or_alert, run_id: str | None, experiment: str | None) -> dict:
-    """The event sent to the notifier: what happened to which run, and the diagnosis."""
-    if isinstance(outcome_or_alert, FollowOutcome):
-        o = outcome_or_alert
-        first = o.crash_matches[0] if o.crash_matches else None
-        return {"kind": kind, "run_id": run_id, "experiment": experiment, "state": o.state, "exit": o.exit,
-                "diagnosis": _match_dict(first) if first is not None else None}
-    return {"kind": kind, "run_id": run_id, "experiment": experiment, "alert": _plain(outcome_or_alert)}
+    if kind in EVENT_KINDS:
+        notify(cfg, make_event(kind, run_id, experiment=experiment, message=message, diagnosis=diagnosis, **extra))
 
 
 def logs(inv, ref: str | None = None, *, target: str | None = None, following: bool = True, tail: int | None = None,
@@ -576,11 +547,13 @@ def logs(inv, ref: str | None = None, *, target: str | None = None, following: b
     from orchestrator.target import open_target
 
     tgt = open_target(inv, target_name)
+    matcher = build_matcher(inv)
     seen: dict = {}
 
     def alert(a) -> None:
         # Hangs and regressions are worth a message while the run still goes on.
-        _notify(inv, notification(str(_plain(a).get("kind", "alert")), a, seen.get("run_id"), seen.get("experiment")))
+        d = _plain(a)
+        _notify(inv, str(d.get("kind")), seen.get("run_id"), seen.get("experiment"), str(d.get("message", "")), d)
         if on_alert is not None:
             on_alert(a)
 
@@ -592,13 +565,19 @@ def logs(inv, ref: str | None = None, *, target: str | None = None, following: b
 
     try:
         outcome = follow(
-            tgt, run_id, experiment=experiment, tail=tail, follow=following, on_line=on_line, on_match=on_match,
-            on_alert=alert, on_status=on_status, on_event=event, matcher=build_matcher(inv),
+            tgt, run_id, experiment=experiment, tail=tail, follow=following, on_line=on_line,
+            on_match=(lambda m: on_match(explain(matcher, m))) if on_match is not None else None,
+            on_alert=alert, on_status=on_status, on_event=event, matcher=matcher,
             health=LogHealth(inv.monitor) if following else None, backoff=backoff,
         )
     finally:
         tgt.close()
-    if following and outcome.state != "running":
-        kind = {"succeeded": "completion", "lost": "lost"}.get(outcome.state, "crash")
-        _notify(inv, notification(kind, outcome, outcome.run_id, outcome.experiment))
+    _exit_match(matcher, outcome)
+    outcome.matches = [explain(matcher, m) for m in outcome.matches]
+    if following and outcome.state in ("succeeded", "failed", "crashed"):
+        first = outcome.crash_matches[0] if outcome.crash_matches else None
+        kind = "completion" if outcome.state == "succeeded" else "crash"
+        message = f"{outcome.state}" + (f": {first.get('title')}" if first else "")
+        _notify(inv, kind, outcome.run_id, outcome.experiment, message, first,
+                exit_code=(outcome.exit or {}).get("exit_code"), state=outcome.state)
     return outcome

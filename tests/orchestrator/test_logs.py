@@ -249,41 +249,55 @@ def test_backoff_schedule():
 
 class _Cfg:
     hang_seconds = 60
+    regression_fraction = 0.5
+    regression_seconds = 10
+    memory_growth_seconds = 600
 
 
 def test_hang_needs_a_live_session_and_silent_files():
     now = [0.0]
     h = LogHealth(_Cfg(), clock=lambda: now[0])
-    assert h.heartbeat({"session_alive": True, "log_size": 10, "metrics_size": 5}) == []
+    beat = {"session_alive": True, "log_size": 10, "metrics_size": 5}
+    assert h.heartbeat(beat) == []
     now[0] = 59
-    assert h.heartbeat({"session_alive": True, "log_size": 10, "metrics_size": 5}) == []
+    assert h.heartbeat(beat) == []
     now[0] = 61
-    alerts = h.heartbeat({"session_alive": True, "log_size": 10, "metrics_size": 5})
-    assert [a["kind"] for a in alerts] == ["hang"] and alerts[0]["silent_s"] == 61
+    alerts = h.heartbeat(beat)
+    assert [a.kind for a in alerts] == ["hang"] and alerts[0].detail["silent_seconds"] == 61
     now[0] = 200
-    assert h.heartbeat({"session_alive": True, "log_size": 10, "metrics_size": 5}) == []  # once per stretch
+    assert h.heartbeat(beat) == []  # once per silent stretch
     now[0] = 210
-    assert h.heartbeat({"session_alive": True, "log_size": 11, "metrics_size": 5}) == []  # activity re-arms
+    assert h.heartbeat({**beat, "log_size": 11}) == []  # activity re-arms
     now[0] = 300
-    assert [a["kind"] for a in h.heartbeat({"session_alive": True, "log_size": 11, "metrics_size": 5})] == ["hang"]
-    # a dead or unknown session is not a hang (it is a crash, decided by the agent)
+    assert [a.kind for a in h.heartbeat({**beat, "log_size": 11})] == ["hang"]
+    # an unknown or dead session is not a hang (a dead one is a crash, decided by the agent)
     h2 = LogHealth(_Cfg(), clock=lambda: now[0])
     h2.heartbeat({"session_alive": None, "log_size": 1, "metrics_size": 1})
     now[0] = 10_000
     assert h2.heartbeat({"session_alive": None, "log_size": 1, "metrics_size": 1}) == []
 
 
+def test_regression_against_the_baseline_from_the_stream():
+    h = LogHealth(_Cfg())
+    h.set_baseline({"run_id": "old", "tokens_per_s": 20_000.0, "samples": 50})
+    ok = [{"step": i, "time": float(i), "tokens_per_s": 19_000.0} for i in range(20)]
+    slow = [{"step": 20 + i, "time": 20.0 + i, "tokens_per_s": 6_000.0} for i in range(20)]
+    assert h.metrics(ok) == []
+    kinds = [a.kind for a in h.metrics(slow)]
+    assert kinds == ["regression"]
+
+
 def test_hang_alert_reaches_the_follower(tmp_path):
     start_run(tmp_path, "r-hang", "hang", writer_argv(3, pause=4))
 
-    class Quick:
+    class Quick(_Cfg):
         hang_seconds = 1.0
 
     alerts: list = []
     out = follow(local_target(tmp_path), "r-hang", health=LogHealth(Quick()), on_alert=alerts.append,
                  backoff=FAST, heartbeat=0.25)
     assert out.state == "succeeded"
-    assert [a["kind"] for a in alerts][:1] == ["hang"]
+    assert [a.kind for a in alerts][:1] == ["hang"]
 
 
 # ------------------------------------------------------------------------------------------- resolve
@@ -404,3 +418,73 @@ def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
     assert out.reconnects >= 20
     # one pct exec per (re)connect; the first use also copies the bundle in (a refused exec, the copy, again)
     assert len(fake_pve.pct_exec_calls(231)) <= out.reconnects + 3
+
+
+# ------------------------------------------------------------------------------------------- the CLI
+
+OOM_LOG = """\
+[dflashctl] run r-oom started 2026-01-01T00:00:00Z: python -m trainer train
+step 10 loss 3.2
+Traceback (most recent call last):
+  File "/root/dflash/bundle/x.zip/trainer/train.py", line 210, in main
+    loss = step(batch)
+  File "/root/dflash/venvs/current/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1751, in _call_impl
+    return forward_call(*args, **kwargs)
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.20 GiB is free.
+[dflashctl] command ended: exit code 1
+"""
+
+
+def finished_run(workdir: Path, run_id: str, log: str, code: int | None, experiment: str = "tiny") -> None:
+    run = workdir / "runs" / run_id
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"experiment": experiment, "run_id": run_id, "created": run_id}))
+    (run / "train.log").write_text(log)
+    if code is not None:
+        (run / "exit.json").write_text(json.dumps({"exit_code": code, "signal": None}))
+
+
+def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(textwrap.dedent(f"""\
+        targets:
+          local: {{kind: local, workdir: {tmp_path / 'work'}, venv: workstation}}
+        venvs:
+          workstation: {{kind: workstation}}
+        experiments:
+          tiny: {{kind: dflash, target: local}}
+        """))
+    code = "import sys; from orchestrator.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
+    return subprocess.run([sys.executable, "-c", code, "--inventory", str(inv), *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_cli_known_crash_is_two_with_the_diagnosis(tmp_path):
+    finished_run(tmp_path / "work", "r-oom", OOM_LOG, 1)
+    res = cli(tmp_path, "logs", "r-oom", "--follow")
+    assert res.returncode == 2, res.stderr
+    assert res.stdout == OOM_LOG[-len(res.stdout):] and "torch.OutOfMemoryError" in res.stdout
+    assert "CUDA out of memory" in res.stderr and "fix:" in res.stderr and "will not help:" in res.stderr
+    assert "module.py:1751 in _call_impl" in res.stderr  # the traceback's last frame
+    assert "run r-oom: failed (exit code 1)" in res.stderr
+
+
+def test_cli_exit_codes_and_outputs(tmp_path):
+    work = tmp_path / "work"
+    finished_run(work, "r-ok", "step 1\nstep 2\n", 0, experiment="tiny")
+    finished_run(work, "r-bad", "step 1\nValueError: nope\n", 5, experiment="other")
+    finished_run(work, "r-killed", "step 1\n", 137, experiment="other")
+    assert cli(tmp_path, "logs", "r-ok", "--follow").returncode == 0
+    assert cli(tmp_path, "logs", "r-bad", "--follow").returncode == 1
+    assert cli(tmp_path, "logs", "r-killed", "--follow").returncode == 2  # exit 137: host OOM kill
+    missing = cli(tmp_path, "logs", "r-nope")
+    assert missing.returncode == 4 and "no run 'r-nope'" in missing.stderr
+    # an experiment name means its newest run; --raw prints the log and nothing else
+    raw = cli(tmp_path, "logs", "tiny", "--raw")
+    assert raw.returncode == 0 and raw.stdout == "step 1\nstep 2\n" and raw.stderr == ""
+    js = cli(tmp_path, "logs", "r-bad", "--json", "--tail", "1")
+    rows = [json.loads(line) for line in js.stdout.splitlines()]
+    assert [r["type"] for r in rows] == ["line", "outcome"] and rows[0]["text"] == "ValueError: nope"
+    assert rows[-1]["state"] == "failed" and rows[-1]["exit_code"] == 1 and js.returncode == 1
+    assert "Exit codes: 0" in cli(tmp_path, "logs", "--help").stdout

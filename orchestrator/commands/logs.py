@@ -1,0 +1,90 @@
+"""`dflashctl logs [RUN|EXPERIMENT] [--target T] [--follow] [--tail N] [--raw] [--json]`. Thin: flags, one
+call into orchestrator.ops.logs, render lines, diagnoses and alerts."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 the run succeeded (or, without --follow, is still running); 1 it failed (or crashed) "
+    "with no known signature; 2 it failed or crashed with a known crash signature; 3 the connection was "
+    "lost for good; 4 no such run."
+)
+
+
+def _write(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _json(kind: str, data) -> None:
+    _write(json.dumps({"type": kind, **data} if isinstance(data, dict) else {"type": kind, "value": data},
+                      default=str))
+
+
+def _print_match(err, m: dict) -> None:
+    sev = m.get("severity") or "error"
+    style = "bold red" if sev in ("error", "fatal") else "yellow"
+    err.print(f"[{style}]{sev}: {m.get('title')}[/] [dim]({m.get('signature')}, log line {m.get('line_no')})[/]",
+              markup=True, soft_wrap=True)
+    if m.get("exception"):
+        err.print(f"  exception: {m['exception']}", markup=False, soft_wrap=True)
+    frame = m.get("last_frame")
+    if frame:
+        err.print(f"  last frame: {frame.get('file')}:{frame.get('line')} in {frame.get('function')}", markup=False, soft_wrap=True)
+    for label in ("diagnosis", "fix"):
+        if m.get(label):
+            err.print(f"  {label}: {m[label]}", markup=False, soft_wrap=True)
+    for wrong in m.get("not_this") or ():
+        err.print(f"  will not help: {wrong}", markup=False, soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("logs", help="Show a run's log, or follow it until the run ends. " + EXIT_CODES_HELP)
+    def logs_cmd(
+        ref: str = typer.Argument(None, metavar="[RUN|EXPERIMENT]",
+                                  help="A run id, or an experiment name (its newest run). Default: the newest run."),
+        target: str = typer.Option(None, "--target", "-t", help="Target holding the run (default: the experiment's, else `local`)."),
+        follow: bool = typer.Option(False, "--follow", "-f", help="Follow until the run ends (Ctrl-C stops following; the run keeps running)."),
+        tail: int = typer.Option(100, "--tail", "-n", help="Start at the last N lines (-1: the whole log)."),
+        raw: bool = typer.Option(False, "--raw", help="Only the log lines, exactly as written: no diagnoses, alerts or summary."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object per line: line, match, alert, status, then outcome."),
+    ) -> None:
+        from orchestrator.cli import GlobalOptions
+        from orchestrator.inventory import load_inventory
+        from orchestrator.ops.logs import logs
+        from orchestrator.render import console
+
+        if raw and as_json:
+            raise typer.BadParameter("--raw and --json exclude each other")
+        err = console(stderr=True)
+        quiet = raw or as_json
+        if as_json:
+            hooks = dict(on_line=lambda line: _json("line", {"text": line}),
+                         on_match=lambda m: _json("match", m),
+                         on_alert=lambda a: _json("alert", a.to_dict() if hasattr(a, "to_dict") else a),
+                         on_status=lambda s: _json("status", {"message": s}))
+        else:
+            hooks = dict(on_line=_write,
+                         on_match=None if quiet else (lambda m: _print_match(err, m)),
+                         on_alert=None if quiet else (lambda a: err.print(f"[bold yellow]alert ({a.kind}):[/] {a.message}", markup=True, soft_wrap=True)),
+                         on_status=None if quiet else (lambda s: err.print(f"[dim]{s}[/]", markup=True)))
+        inv = load_inventory(GlobalOptions.inventory)
+        try:
+            outcome = logs(inv, ref, target=target, following=follow, tail=None if tail < 0 else tail, **hooks)
+        except KeyboardInterrupt:
+            if not as_json:
+                err.print("stopped following; the run keeps running")
+            raise typer.Exit(130)
+        if as_json:
+            _json("outcome", outcome.to_dict())
+        elif not raw:
+            code = (outcome.exit or {}).get("exit_code")
+            detail = f" (exit code {code})" if code is not None else ""
+            if outcome.state == "lost":
+                detail = f": {outcome.error}"
+            err.print(f"run {outcome.run_id}: {outcome.state}{detail}", markup=False)
+        raise typer.Exit(outcome.exit_code)
