@@ -1,0 +1,215 @@
+"""The fake Proxmox host behaves like the real parts it stands in for (reference/remote-stack.md §1)."""
+
+import time
+
+import pytest
+
+from fakehost import pct as pct_impl
+
+
+@pytest.fixture(scope="module")
+def ct(fake_pve):
+    return fake_pve.create_container(220, gpus=3)
+
+
+@pytest.fixture
+def host(pve_ssh, ct):
+    """Run argv on the fake host over SSH; the container is running at the start of each test."""
+    if not ct.running:
+        ct.start()
+
+    def run(*argv, **kw):
+        return pve_ssh.run(list(argv), **kw)
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ pct
+
+
+def test_pct_list_format(host, ct, fake_pve):
+    fake_pve.create_container(221, gpus=0, running=False)
+    try:
+        lines = host("pct", "list").text().splitlines()
+        assert lines[0] == "%-10s %-10s %-12s %-20s" % ("VMID", "Status", "Lock", "Name")
+        rows = {line.split()[0]: line for line in lines[1:]}
+        assert rows["220"] == "%-10s %-10s %-12s %-20s" % ("220", "running", "", "ct220")
+        assert rows["221"].split() == ["221", "stopped", "ct221"]  # empty Lock: 3 fields
+        assert [int(r) for r in rows] == sorted(int(r) for r in rows)
+    finally:
+        fake_pve.remove_container(221)
+
+
+def test_pct_list_on_an_empty_node_prints_nothing(tmp_path, capsys):
+    (tmp_path / "node").write_text("empty\n")
+    (tmp_path / "etc/pve/nodes/empty/lxc").mkdir(parents=True)
+    assert pct_impl.main(["list"], base=tmp_path) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_status_start_stop_texts(host, ct):
+    assert host("pct", "status", "220").stdout == b"status: running\n"
+    res = host("pct", "start", "220")
+    assert (res.exit_code, res.stderr) == (255, b"CT 220 already running\n")
+    assert host("pct", "stop", "220").exit_code == 0
+    assert host("pct", "status", "220").stdout == b"status: stopped\n"
+    res = host("pct", "stop", "220")
+    assert (res.exit_code, res.stderr) == (255, b"CT 220 not running\n")
+    res = host("pct", "exec", "220", "--", "true")
+    assert (res.exit_code, res.stderr) == (255, b"container '220' not running!\n")
+    assert host("pct", "start", "220").exit_code == 0
+    assert ct.running
+
+
+def test_missing_container_texts(host, fake_pve):
+    for argv in (["status", "404"], ["exec", "404", "--", "true"], ["start", "404"], ["config", "404"]):
+        res = host("pct", *argv)
+        assert res.exit_code == 255
+        assert res.stderr == f"Configuration file 'nodes/{fake_pve.node}/lxc/404.conf' does not exist\n".encode()
+
+
+def test_exec_argument_handling(host):
+    res = host("pct", "exec", "220")
+    assert (res.exit_code, res.stderr) == (255, b"missing command\n")
+    # Without `--`, Getopt takes `-la` as a pct option, as real pct does.
+    res = host("pct", "exec", "220", "ls", "-la")
+    assert res.exit_code == 255 and b"Unknown option: la" in res.stderr
+    assert host("pct", "exec", "220", "echo", "plain").stdout == b"plain\n"
+
+
+def test_exec_environment_and_path_reset(host):
+    keep = dict(l.split("=", 1) for l in host("pct", "exec", "220", "--keep-env", "1", "--", "env").text().splitlines())
+    assert keep["PATH"] == "/sbin:/bin:/usr/sbin:/usr/bin"  # pct's reset, not the session's PATH
+    assert "FAKE_PVE_BASE" in keep  # keep-env leaks the SSH session's variables
+    clear = dict(l.split("=", 1) for l in host("pct", "exec", "220", "--keep-env", "0", "--", "env").text().splitlines())
+    assert clear == {"container": "lxc", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    res = host("pct", "exec", "220", "--keep-env", "2", "--", "true")
+    assert res.exit_code == 255 and b"keep-env" in res.stderr
+
+
+def test_container_namespaces(host, ct):
+    out = host("pct", "exec", "220", "--", "sh", "-c", "hostname; cat /proc/1/cmdline | tr '\\0' ' '").text()
+    name, init = out.splitlines()
+    assert name == "ct220"
+    assert "ctinit" in init  # the container's own pid 1
+    # Private /tmp: a file made inside is in <ct>/tmp on the host, not in the host's /tmp.
+    assert host("pct", "exec", "220", "--", "touch", "/tmp/inside-220").exit_code == 0
+    assert (ct.dir / "tmp" / "inside-220").exists()
+    import os
+
+    assert not os.path.exists("/tmp/inside-220")
+
+
+def test_a_tmux_server_outlives_the_exec_and_dies_with_the_container(host, ct):
+    start = host("pct", "exec", "220", "--", "tmux", "new-session", "-d", "-s", "job", "sleep 600")
+    assert start.exit_code == 0, start.describe()
+    assert host("pct", "exec", "220", "--", "tmux", "has-session", "-t", "job").exit_code == 0
+    assert list((ct.dir / "tmp").glob("tmux-*/default"))  # its socket is in the container's own /tmp
+    assert host("tmux", "has-session", "-t", "job").exit_code != 0  # the host's tmux does not see it
+    ct.stop()
+    ct.start()
+    res = host("pct", "exec", "220", "--", "tmux", "has-session", "-t", "job")
+    assert res.exit_code == 1
+
+
+def test_delay_knob_and_call_log(host, fake_pve):
+    fake_pve.clear_pct_calls()
+    fake_pve.set_delay(0.4)
+    try:
+        t0 = time.monotonic()
+        host("pct", "status", "220")
+        slow = time.monotonic() - t0
+    finally:
+        fake_pve.set_delay(0)
+    t0 = time.monotonic()
+    host("pct", "status", "220")
+    fast = time.monotonic() - t0
+    assert slow >= 0.4 and fast < slow - 0.2
+    assert fake_pve.pct_calls() == [["pct", "status", "220"], ["pct", "status", "220"]]
+    host("pct", "exec", "220", "--keep-env", "0", "--", "true")
+    assert fake_pve.pct_exec_calls(220) == [["pct", "exec", "220", "--keep-env", "0", "--", "true"]]
+    fake_pve.clear_pct_calls()
+    assert fake_pve.pct_calls() == []
+
+
+def test_push_and_pull(host, ct, fake_pve):
+    src = fake_pve.base / "push-src"
+    src.write_bytes(b"payload\x00\xff")
+    assert host("pct", "push", "220", str(src), "/tmp/pushed").exit_code == 0
+    assert (ct.dir / "tmp" / "pushed").read_bytes() == b"payload\x00\xff"
+    dest = fake_pve.base / "pull-dest"
+    assert host("pct", "pull", "220", "/tmp/pushed", str(dest)).exit_code == 0
+    assert dest.read_bytes() == b"payload\x00\xff"
+    ct.stop()
+    res = host("pct", "push", "220", str(src), "/tmp/x")
+    assert res.stderr == b"can only push files to a running CT\n"
+
+
+def test_config_lists_gpu_devices_sorted(host):
+    lines = host("pct", "config", "220").text().splitlines()
+    keys = [l.split(":")[0] for l in lines]
+    assert keys == sorted(keys)
+    assert "dev0: /dev/nvidia0" in lines and "dev3: /dev/nvidiactl" in lines
+
+
+# ----------------------------------------------------------------------------------------- nvidia-smi
+
+
+QUERY = ["nvidia-smi", "--query-gpu=index,uuid,memory.used,memory.total", "--format=csv,noheader,nounits"]
+
+
+def test_nvidia_smi_reports_the_memory_a_test_sets(host, ct):
+    ct.set_gpu_used(1, 4321)
+    lines = host("pct", "exec", "220", "--keep-env", "0", "--", *QUERY).text().splitlines()
+    assert len(lines) == 3
+    idx, uuid, used, total = lines[1].split(", ")
+    assert (idx, used, total) == ("1", "4321", "81559") and uuid.startswith("GPU-")
+    assert lines[0].split(", ")[2] == "0"
+    ct.set_gpu_used(1, 0)
+    with pytest.raises(IndexError):
+        ct.set_gpu_used(7, 1)
+
+
+def test_nvidia_smi_is_on_the_clear_env_path_only(host):
+    # pct's default --keep-env 1 resets PATH to /sbin:/bin:/usr/sbin:/usr/bin: no /usr/local/sbin, as on PVE.
+    assert host("pct", "exec", "220", "--", "nvidia-smi", "-L").exit_code == 127
+    assert host("pct", "exec", "220", "--keep-env", "0", "--", "nvidia-smi", "-L").exit_code == 0
+
+
+def test_nvidia_smi_other_forms(host, ct):
+    out = host("pct", "exec", "220", "--keep-env", "0", "--", "nvidia-smi", "--query-gpu=index,pci.bus_id,name,driver_version",
+               "--format=csv").text().splitlines()
+    assert out[0] == "index, pci.bus_id, name, driver_version"
+    assert out[1].startswith("0, 00000000:") and "NVIDIA" in out[1]
+    units = host("pct", "exec", "220", "--keep-env", "0", "--", "nvidia-smi", "--query-gpu=memory.used", "--format=csv").text()
+    assert units.splitlines() == ["memory.used [MiB]", "0 MiB", "0 MiB", "0 MiB"]
+    listing = host("pct", "exec", "220", "--keep-env", "0", "--", "nvidia-smi", "-L").text().splitlines()
+    assert listing[2].startswith("GPU 2: NVIDIA") and "(UUID: GPU-" in listing[2]
+    bad = host("pct", "exec", "220", "--keep-env", "0", "--", "nvidia-smi", "--bogus")
+    assert bad.exit_code != 0 and b"Invalid combination of input arguments" in bad.stdout
+    field = host("pct", "exec", "220", "--keep-env", "0", "--", "nvidia-smi", "--query-gpu=nope", "--format=csv")
+    assert field.exit_code != 0 and b'Field "nope" is not a valid field to query.' in field.stdout
+    ct.set_nvidia_error("Failed to initialize NVML: Driver/library version mismatch")
+    try:
+        broken = host("pct", "exec", "220", "--keep-env", "0", "--", *QUERY)
+        assert broken.exit_code == 9 and b"Driver/library version mismatch" in broken.stdout
+    finally:
+        ct.set_nvidia_error(None)
+
+
+def test_gpu_less_container_has_no_nvidia_smi(host, fake_pve):
+    fake_pve.create_container(222, gpus=0)
+    try:
+        res = host("pct", "exec", "222", "--keep-env", "0", "--", "nvidia-smi", "-L")
+        assert res.exit_code == 127
+        assert "dev0" not in host("pct", "config", "222").text()
+    finally:
+        fake_pve.remove_container(222)
+
+
+def test_fixture_exec_runs_inside(ct):
+    res = ct.exec(["hostname"])
+    assert res.stdout == b"ct220\n"
+    ct.stop()
+    with pytest.raises(RuntimeError, match="not running"):
+        ct.exec(["true"])
