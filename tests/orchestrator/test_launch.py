@@ -1,0 +1,329 @@
+"""launch: preflight refusals, the run directory, tmux sessions that outlive the connection, idempotence
+and concurrency, --replace, --dry-run; on a local target and on the fake Proxmox host (real sshd, pct
+stand-in, namespaced containers, real tmux)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent import runs as agent_runs
+from orchestrator.agent.verbs.launch import build_command
+from orchestrator.errors import PreflightError, UserError
+from orchestrator.ops.launch import LaunchSpec, launch, make_run_id
+from orchestrator.ops.status import status
+from orchestrator.records import load_records
+from orchestrator.target import ContainerTarget, LocalTarget
+from orchestrator.transport.local import LocalTransport
+
+# A command that stops cleanly on SIGINT (like a trainer saving a checkpoint), else runs for a minute.
+SLEEPER = [sys.executable, "-c", "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('bye', flush=True)\n"]
+HOSTILE_TAGS = ["../x", "a;b", "$(id)", "has space", "a/b", "", "..", "x" * 65, "`id`", "-rf"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Own tmux server (TMUX_TMPDIR) and own run records per test; the tmux server dies at the end."""
+    d = tmp_path / "tmux"
+    d.mkdir()
+    monkeypatch.setenv("TMUX_TMPDIR", str(d))
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+    yield
+    subprocess.run(["tmux", "kill-server"], capture_output=True)
+
+
+def local(tmp_path: Path) -> LocalTarget:
+    wd = tmp_path / "work"
+    wd.mkdir(exist_ok=True)
+    return LocalTarget(name="local", workdir=str(wd), transport=LocalTransport())
+
+
+def cmd_spec(experiment: str, argv: list[str], **kw) -> LaunchSpec:
+    return LaunchSpec(experiment=experiment, kind="command", target=kw.pop("target", "local"), command=argv,
+                      venv_profile=kw.pop("venv_profile", {"kind": "workstation"}), **kw)
+
+
+def wait_exit(run_dir: str, timeout: float = 30) -> dict:
+    path = Path(run_dir) / "exit.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.1)
+    raise AssertionError(f"{path} did not appear in {timeout} s")
+
+
+# ------------------------------------------------------------------------------------------- pure parts
+
+
+def test_run_id_is_experiment_tag_and_utc_stamp():
+    import datetime as dt
+
+    t = dt.datetime(2026, 3, 4, 5, 6, 7, tzinfo=dt.timezone.utc)
+    assert make_run_id("exp-1", "try.2", t) == "exp-1-try.2-20260304T050607Z"
+    assert make_run_id("exp-1", None, t) == "exp-1-20260304T050607Z"
+
+
+def test_build_command_for_both_kinds(tmp_path):
+    run = tmp_path / "runs" / "r1"
+    argv, env = build_command({"kind": "command", "command": ["python", "train.py"], "env": {"A": "1"},
+                               "gpus": [5, 6, 7]}, run)
+    assert argv == ["python", "train.py"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "5,6,7" and env["A"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    argv, env = build_command({"kind": "dflash", "gpus": []}, run)
+    assert argv == [sys.executable, "-m", "trainer", "train", "--config", str(run / "config.json"),
+                    "--output-dir", str(run)]
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # the colocated CPU layout sees no GPU
+
+
+@pytest.mark.parametrize("tag", HOSTILE_TAGS)
+def test_hostile_tags_never_reach_the_target(tag):
+    class Refuse:
+        name = "refuse"
+
+        def agent(self, *a, **k):  # pragma: no cover - reaching it is the failure
+            raise AssertionError("the target was contacted")
+
+    with pytest.raises(UserError, match="bad tag name"):
+        launch(Refuse(), cmd_spec("e", ["true"], tag=tag))
+
+
+# ------------------------------------------------------------------------------------------- local target
+
+
+def test_local_launch_success_and_failure_end_in_exit_json_and_status(tmp_path):
+    t = local(tmp_path)
+    ok = launch(t, cmd_spec("ok", ["bash", "-c", "echo hi; exit 0"]), cli="dflashctl launch ok")
+    bad = launch(t, cmd_spec("bad", ["bash", "-c", "echo no >&2; exit 7"]))
+    assert wait_exit(ok.run_dir)["exit_code"] == 0
+    assert wait_exit(bad.run_dir)["exit_code"] == 7
+    info = json.loads((Path(ok.run_dir) / "run.json").read_text())
+    assert info["experiment"] == "ok" and info["session"] == "dflash-ok" and info["cli"] == "dflashctl launch ok"
+    assert info["command_line"] == "bash -c 'echo hi; exit 0'" and info["bundle_hash"]
+    assert "hi\n" in (Path(ok.run_dir) / "train.log").read_text()
+    states = {r["run_id"]: r["state"] for r in status(t).runs}
+    assert states == {ok.run_id: "succeeded", bad.run_id: "failed"}
+    assert [r["run_id"] for r in load_records()] == [ok.run_id, bad.run_id]
+
+
+def test_double_launch_is_refused_with_the_run_id_and_the_replace_hint(tmp_path):
+    t = local(tmp_path)
+    first = launch(t, cmd_spec("dbl", SLEEPER))
+    with pytest.raises(PreflightError) as info:
+        launch(t, cmd_spec("dbl", SLEEPER, tag="again"))
+    assert first.run_id in info.value.message and "--replace" in info.value.fix
+    assert info.value.agent_type == "SessionExists"
+    assert sorted(p.name for p in (Path(t.workdir) / "runs").iterdir()) == [first.run_id]
+
+
+def test_a_held_lock_names_its_holder(tmp_path):
+    t = local(tmp_path)
+    lock = agent_runs.LaunchLock(t.workdir)
+    lock.acquire({"pid": 4242, "run_id": "other-20260101T000000Z", "since": "2026-01-01T00:00:00Z"})
+    try:
+        with pytest.raises(PreflightError) as info:
+            launch(t, cmd_spec("lk", ["true"]))
+    finally:
+        lock.release()
+    assert "pid 4242" in info.value.message and "other-20260101T000000Z" in info.value.message
+    assert "since 2026-01-01T00:00:00Z" in info.value.message
+    assert not (Path(t.workdir) / "runs").exists()
+
+
+def test_two_concurrent_launches_make_exactly_one_run(tmp_path):
+    t = local(tmp_path)
+    results, errors = [], []
+    barrier = threading.Barrier(2)
+
+    def go(tag: str) -> None:
+        barrier.wait()
+        try:
+            results.append(launch(t, cmd_spec("race", SLEEPER, tag=tag)))
+        except PreflightError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(tag,)) for tag in ("a", "b")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert len(results) == 1 and len(errors) == 1
+    assert errors[0].agent_type in ("LockHeld", "SessionExists")
+    assert [p.name for p in (Path(t.workdir) / "runs").iterdir()] == [results[0].run_id]
+
+
+def test_replace_stops_the_old_run_gracefully_and_launches(tmp_path):
+    t = local(tmp_path)
+    old = launch(t, cmd_spec("rep", SLEEPER))
+    time.sleep(0.5)  # let python install its SIGINT handler
+    events: list[dict] = []
+    new = launch(t, cmd_spec("rep", SLEEPER, tag="v2"), replace=True, grace_s=5, on_event=events.append)
+    assert new.replaced == old.run_id
+    ex = json.loads((Path(old.run_dir) / "exit.json").read_text())  # written before the new run started
+    # SIGINT was enough: the command caught it, cleaned up (its output is in the log) and exited 0.
+    assert (ex["exit_code"], ex["signal"]) == (0, None) and "bye" in (Path(old.run_dir) / "train.log").read_text()
+    assert any(e.get("step") == "stop" and "SIGINT" in e.get("message", "") for e in events)
+    states = {r["run_id"]: r["state"] for r in status(t).runs}
+    assert states == {old.run_id: "succeeded", new.run_id: "running"}
+
+
+def test_dry_run_plans_and_changes_nothing(tmp_path):
+    t = local(tmp_path)
+    res = launch(t, cmd_spec("dry", ["python", "x.py"], gpus=[]), dry_run=True)
+    assert res.dry_run and res.plan["tmux"][:5] == ["tmux", "new-session", "-d", "-s", "dflash-dry"]
+    assert res.command == ["python", "x.py"] and res.run_dir.endswith(res.run_id)
+    assert not (Path(t.workdir) / "runs").exists() and not (Path(t.workdir) / "launch.lock").exists()
+    assert status(t).sessions == [] and load_records() == []
+
+
+def test_a_finished_session_does_not_block_the_next_launch(tmp_path):
+    t = local(tmp_path)
+    first = launch(t, cmd_spec("fin", ["true"]))
+    wait_exit(first.run_dir)
+    second = launch(t, cmd_spec("fin", ["true"], tag="two"))
+    wait_exit(second.run_dir)
+    states = {r["run_id"]: r["state"] for r in status(t).runs}
+    assert states == {first.run_id: "succeeded", second.run_id: "succeeded"}
+
+
+# ------------------------------------------------------------------------------------- fake Proxmox host
+
+
+def make_ct(fake_pve, ctid: int, lock_hash: str = "L1", gpus: int = 8):
+    """A container with a 'venv' (the test interpreter, which has libtmux) fingerprinted as lock_hash."""
+    ct = fake_pve.create_container(ctid, gpus=gpus)
+    venv = Path(ct.workdir) / "venvs" / f"{lock_hash}-0"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock_hash, "packages": {}}))
+    (Path(ct.workdir) / "venvs" / "current").symlink_to(venv.name)
+    return ct
+
+
+def ct_target(fake_pve, ct) -> ContainerTarget:
+    return ContainerTarget(name=f"ct{ct.ctid}", workdir=ct.workdir, transport=fake_pve.pct_transport(ct.ctid))
+
+
+def ct_spec(experiment: str, argv: list[str], **kw) -> LaunchSpec:
+    return cmd_spec(experiment, argv, target="ct", venv_profile={"kind": "uv"}, lock_hash=kw.pop("lock_hash", "L1"), **kw)
+
+
+def test_container_run_outlives_ssh_and_reports_its_exit(fake_pve):
+    ct = make_ct(fake_pve, 301)
+    try:
+        t = ct_target(fake_pve, ct)
+        ok = launch(t, ct_spec("cok", ["bash", "-c", "sleep 1.5; echo done"]))
+        bad = launch(t, ct_spec("cbad", ["bash", "-c", "sleep 1.5; exit 4"]))
+        t.close()  # the SSH connection is gone; the sessions live on in the container
+        alive = ct.exec(["tmux", "has-session", "-t", "=dflash-cok"])
+        assert alive.returncode == 0, alive.stderr
+        assert wait_exit(ok.run_dir)["exit_code"] == 0 and wait_exit(bad.run_dir)["exit_code"] == 4
+        t = ct_target(fake_pve, ct)
+        st = status(t)
+        t.close()
+        assert st.state == "running" and len(st.gpus) == 8
+        assert {r["run_id"]: r["state"] for r in st.runs} == {ok.run_id: "succeeded", bad.run_id: "failed"}
+    finally:
+        fake_pve.remove_container(301)
+
+
+def test_container_busy_gpu_is_named_and_nothing_is_started(fake_pve):
+    ct = make_ct(fake_pve, 302)
+    try:
+        ct.set_gpu_used(5, 30000)
+        t = ct_target(fake_pve, ct)
+        with pytest.raises(PreflightError) as info:
+            launch(t, ct_spec("busy", ["true"], gpus=[4, 5], gpu_idle_mib=1024))
+        t.close()
+        assert info.value.agent_type == "GpuBusy"
+        assert "GPU 5 uses 30000 MiB" in info.value.message and "GPU 4" not in info.value.message
+        assert info.value.data["busy"][0]["index"] == 5
+        assert not (Path(ct.workdir) / "runs").exists()
+    finally:
+        fake_pve.remove_container(302)
+
+
+def test_container_venv_mismatch_is_refused(fake_pve):
+    ct = make_ct(fake_pve, 303, lock_hash="oldlock")
+    try:
+        t = ct_target(fake_pve, ct)
+        with pytest.raises(PreflightError) as info:
+            launch(t, ct_spec("vm", ["true"], lock_hash="newlock"))
+        t.close()
+        assert info.value.agent_type == "VenvMismatch" and "oldlock" in info.value.message
+        assert "rebuild-venv" in info.value.fix
+    finally:
+        fake_pve.remove_container(303)
+
+
+def test_container_launch_is_one_pct_exec_and_hostile_tags_make_none(pve):
+    ct = make_ct(pve, 304)
+    try:
+        t = ct_target(pve, ct)
+        t.agent("echo")  # the first call pushes the bundle; from then on a launch is one exec
+        pve.clear_pct_calls()
+        for tag in HOSTILE_TAGS:
+            with pytest.raises(UserError):
+                launch(t, ct_spec("h", ["true"], tag=tag))
+        assert pve.pct_calls() == []
+        res = launch(t, ct_spec("one", ["true"]))
+        assert len(pve.pct_exec_calls(304)) == 1
+        t.close()
+        assert wait_exit(res.run_dir)["exit_code"] == 0
+    finally:
+        pve.remove_container(304)
+
+
+def test_container_concurrent_launches_one_wins_and_replace_waits_for_gpus(fake_pve):
+    ct = make_ct(fake_pve, 305)
+    try:
+        results, errors = [], []
+        barrier = threading.Barrier(2)
+
+        def go(tag: str) -> None:
+            t = ct_target(fake_pve, ct)
+            barrier.wait()
+            try:
+                results.append(launch(t, ct_spec("conc", SLEEPER, tag=tag, gpus=[1])))
+            except PreflightError as exc:
+                errors.append(exc)
+            finally:
+                t.close()
+
+        threads = [threading.Thread(target=go, args=(tag,)) for tag in ("a", "b")]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert len(results) == 1 and len(errors) == 1, (results, errors)
+        assert errors[0].agent_type in ("LockHeld", "SessionExists")
+        old = results[0]
+        assert [p.name for p in (Path(ct.workdir) / "runs").iterdir()] == [old.run_id]
+
+        # The old run "holds" GPU 1 until a moment after it exits; --replace must wait for the release.
+        ct.set_gpu_used(1, 20000)
+
+        def release() -> None:
+            wait_exit(old.run_dir, 60)
+            time.sleep(1.0)
+            ct.set_gpu_used(1, 0)
+
+        releaser = threading.Thread(target=release)
+        releaser.start()
+        events: list[dict] = []
+        t = ct_target(fake_pve, ct)
+        new = launch(t, ct_spec("conc", SLEEPER, tag="c", gpus=[1]), replace=True, grace_s=5, on_event=events.append)
+        t.close()
+        releaser.join(60)
+        assert new.replaced == old.run_id
+        assert json.loads((Path(old.run_dir) / "exit.json").read_text())["exit_code"] == 0
+        assert "bye" in (Path(old.run_dir) / "train.log").read_text()
+        assert any(e.get("step") == "gpus" and "waiting" in e.get("message", "") for e in events)
+    finally:
+        fake_pve.remove_container(305)
