@@ -444,9 +444,9 @@ def finished_run(workdir: Path, run_id: str, log: str, code: int | None, experim
         (run / "exit.json").write_text(json.dumps({"exit_code": code, "signal": None}))
 
 
-def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def cli(tmp_path: Path, *args: str, extra: str = "") -> subprocess.CompletedProcess:
     inv = tmp_path / "inv.yaml"
-    inv.write_text(textwrap.dedent(f"""\
+    inv.write_text(extra + textwrap.dedent(f"""\
         targets:
           local: {{kind: local, workdir: {tmp_path / 'work'}, venv: workstation}}
         venvs:
@@ -488,3 +488,18 @@ def test_cli_exit_codes_and_outputs(tmp_path):
     assert [r["type"] for r in rows] == ["line", "outcome"] and rows[0]["text"] == "ValueError: nope"
     assert rows[-1]["state"] == "failed" and rows[-1]["exit_code"] == 1 and js.returncode == 1
     assert "Exit codes: 0" in cli(tmp_path, "logs", "--help").stdout
+
+
+def test_cli_notifies_crash_and_completion(tmp_path):
+    work = tmp_path / "work"
+    finished_run(work, "r-oom", OOM_LOG, 1)
+    finished_run(work, "r-ok", "fine\n", 0)
+    sink = tmp_path / "events.jsonl"
+    hook = f"import sys; open({str(sink)!r}, 'a').write(sys.stdin.read() + chr(10))"
+    extra = f"notify:\n  command: [{sys.executable!r}, '-c', {json.dumps(hook)}]\n"
+    assert cli(tmp_path, "logs", "r-oom", "--follow", extra=extra).returncode == 2
+    assert cli(tmp_path, "logs", "r-ok", "--follow", extra=extra).returncode == 0
+    assert cli(tmp_path, "logs", "r-ok", extra=extra).returncode == 0  # a one-shot look notifies nothing
+    events = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [(e["event"], e["run_id"]) for e in events] == [("crash", "r-oom"), ("completion", "r-ok")]
+    assert events[0]["diagnosis"]["signature"] == "cuda-oom" and events[0]["diagnosis"]["fix"]
