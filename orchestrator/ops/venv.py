@@ -1,0 +1,360 @@
+"""rebuild-venv: a locked, verified uv venv in the target, swapped in atomically, in ONE target command.
+
+The work happens in `templates/rebuild_venv.sh` (bash + python3 + uv: no venv exists yet), run once with
+the lock and this project's bundle (as a wheel) in a tar on stdin. It streams JSON events; this module
+builds its argv and payload, forwards progress, and turns a failure into an error naming the step and
+the reason (resolution error, missing wheel, offline cache miss, the module that does not import).
+
+Why a wheel for the bundle: it joins the lock in one exact, hash-checked `uv pip sync`, shows up in
+`uv pip freeze` and the fingerprint as `dflashctl-bundle==0+b<hash>`, and its RECORD names the files, so
+the verifier finds its top-level modules like any other distribution's. (A zip on PYTHONPATH or a .pth
+would work too, but would be invisible to uv and to the fingerprint.)
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import re
+import tarfile
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from orchestrator.agent.venvinfo import BUNDLE_DIST, FINGERPRINT, STAMP
+from orchestrator.errors import AgentError, UserError
+from orchestrator.ops.lock import LockFile, resolve_lock
+
+SCRIPT_PATH = Path(__file__).resolve().parent.parent / "templates" / "rebuild_venv.sh"
+# A python request reaches `uv venv --python` and the one-line stamp: a version or a name, no spaces.
+_PY_REQUEST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@/-]{0,63}$")
+_EPOCH = (2020, 1, 1, 0, 0, 0)
+
+EventCallback = Callable[[dict], None]
+
+
+def script_text() -> str:
+    """The rebuild script (constant text; every value is passed as an argument)."""
+    return SCRIPT_PATH.read_text()
+
+
+# -------------------------------------------------------------------------------------------- profile
+
+
+@dataclass(frozen=True)
+class UvProfile:
+    """The fields of a `kind: uv` venv profile that rebuild-venv uses (see inventory.UvVenv)."""
+
+    lock: str = "cuda"
+    python: str = "3.11"
+    uv_cache_dir: str | None = None
+    find_links: tuple[str, ...] = ()
+    index_url: str | None = None
+    extra_index_urls: tuple[str, ...] = ()
+    keep: int = 3
+
+
+def as_profile(profile) -> UvProfile | None:
+    """A UvProfile from an inventory model or a dict; None for the `workstation` kind.
+
+    Raises:
+        UserError: an unknown kind, a python request with spaces or shell characters, keep < 1.
+    """
+    data = profile.model_dump() if hasattr(profile, "model_dump") else dict(profile or {})
+    kind = data.get("kind", "uv")
+    if kind == "workstation":
+        return None
+    if kind != "uv":
+        raise UserError(f"venv profile kind {kind!r} cannot be rebuilt", fix="use kind: uv (or workstation)")
+    p = UvProfile(
+        lock=str(data.get("lock") or "cuda"),
+        python=str(data.get("python") or "3.11"),
+        uv_cache_dir=data.get("uv_cache_dir") or None,
+        find_links=tuple(data.get("find_links") or ()),
+        index_url=data.get("index_url") or None,
+        extra_index_urls=tuple(data.get("extra_index_urls") or ()),
+        keep=int(data.get("keep") or 3),
+    )
+    if not _PY_REQUEST.match(p.python):
+        raise UserError(f"bad python request {p.python!r} in the venv profile", fix='use a version like "3.11"')
+    if p.keep < 1:
+        raise UserError(f"venv profile keep must be >= 1, got {p.keep}", fix="keep: 3")
+    return p
+
+
+def sync_options(profile: UvProfile, lock: LockFile) -> list[str]:
+    """`uv pip sync` options from the profile (pure; golden-tested).
+
+    A lock with hashes is installed in hash-checking mode, so a wheel that differs from the one locked
+    (another index, a tampered mirror) is refused instead of installed.
+    """
+    opts: list[str] = ["--require-hashes"] if lock.has_hashes else []
+    if profile.index_url:
+        opts += ["--index-url", profile.index_url]
+    for url in profile.extra_index_urls:
+        opts += ["--extra-index-url", url]
+    for link in profile.find_links:
+        opts += ["--find-links", link]
+    return opts
+
+
+# --------------------------------------------------------------------------------------------- bundle
+
+
+@dataclass(frozen=True)
+class Wheel:
+    name: str
+    data: bytes = field(repr=False)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+@lru_cache(maxsize=4)
+def bundle_wheel(bundle_hash: str, bundle_zip: bytes) -> Wheel:
+    """The bundle (orchestrator + trainer packages) as a pure-Python wheel `dflashctl-bundle==0+b<hash>`.
+
+    Deterministic: same bundle, same bytes (fixed timestamps, sorted entries).
+    """
+    version = f"0+b{bundle_hash}"
+    distinfo = f"dflashctl_bundle-{version}.dist-info"
+    files: list[tuple[str, bytes]] = []
+    with zipfile.ZipFile(io.BytesIO(bundle_zip)) as src:
+        for info in sorted(src.infolist(), key=lambda i: i.filename):
+            if not info.is_dir():
+                files.append((info.filename, src.read(info)))
+    tops = sorted({name.split("/")[0] for name, _ in files})
+    files += [
+        (f"{distinfo}/METADATA", f"Metadata-Version: 2.1\nName: {BUNDLE_DIST}\nVersion: {version}\n"
+         "Summary: dflashctl's orchestrator and trainer packages, as shipped to a target\n".encode()),
+        (f"{distinfo}/WHEEL", b"Wheel-Version: 1.0\nGenerator: dflashctl\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
+        (f"{distinfo}/top_level.txt", ("\n".join(tops) + "\n").encode()),
+    ]
+    record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files) + f"{distinfo}/RECORD,,\n"
+    files.append((f"{distinfo}/RECORD", record.encode()))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in files:
+            info = zipfile.ZipInfo(name, _EPOCH)
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(info, data)
+    return Wheel(f"dflashctl_bundle-{version}-py3-none-any.whl", buf.getvalue())
+
+
+def payload(lock: LockFile, wheel: Wheel) -> bytes:
+    """The tar the script reads on stdin: `lock.txt` and the wheel (deterministic)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in (("lock.txt", lock.data), (wheel.name, wheel.data)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def script_argv(mode: str, workdir: str, *, lock_hash: str = "-", bundle_hash: str = "-", python: str = "-",
+                keep: int = 3, force: bool = False, offline: bool = False, cache: str | None = None,
+                wheel: str = "-", wheel_sha: str = "-", sync_opts: list[str] | None = None) -> list[str]:
+    """The ONE command: `bash -c SCRIPT rebuild-venv MODE WORKDIR ...` (pure; argument order is the script's)."""
+    return ["bash", "-c", script_text(), "rebuild-venv", mode, workdir, lock_hash, bundle_hash, python, str(keep),
+            "1" if force else "0", "1" if offline else "0", cache or "", wheel, wheel_sha, *(sync_opts or [])]
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+@dataclass
+class VenvReport:
+    """What rebuild-venv did."""
+
+    action: str
+    """`built`, `noop` (current already matches), `rollback`, or `workstation` (nothing to build)."""
+    target: str
+    venv: str | None = None
+    """Directory name under `<workdir>/venvs/` that `current` now points to."""
+    previous: str | None = None
+    lock_hash: str | None = None
+    bundle_hash: str | None = None
+    lock: str | None = None
+    fingerprint: dict | None = None
+    pruned: list[str] = field(default_factory=list)
+    timings_ms: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    commands: int = 0
+    """Transport commands made (1 for every path; pct exec count for a container)."""
+
+    @property
+    def torch(self) -> str | None:
+        return (self.fingerprint or {}).get("torch")
+
+    @property
+    def cuda(self) -> str | None:
+        return (self.fingerprint or {}).get("cuda")
+
+
+# ------------------------------------------------------------------------------------------- failures
+
+_CLASSES = [
+    # (agent type, pattern over uv's output, reason, fix)
+    ("OfflineCacheMiss", r"network (connectivity )?(is|was) disabled|not found in the cache|--offline",
+     "--offline, but the uv cache lacks what the lock needs",
+     "run once without --offline to fill the cache (or add the wheels with the profile's find_links)"),
+    ("ResolutionError", r"no version of|No solution found|unsatisfiable",
+     "uv cannot resolve a pin of the lock", "fix the pin and regenerate the lock: dflashctl lock PROFILE"),
+    ("MissingWheel", r"doesn't have a (source distribution or )?wheel|no wheels? (with|for) a matching|"
+     r"only has wheels with the following|not compatible with the current platform",
+     "a locked package has no wheel for the target's python/platform",
+     "lock for the target's python (profile `python`) or add find_links/index_url with that wheel"),
+    ("HashMismatch", r"[Hh]ash mismatch|hashes? (do|does) not match",
+     "a downloaded file's hash differs from the lock", "check the profile's index_url/find_links serve the locked files"),
+    ("DownloadFailed", r"Failed to (download|fetch)|dns error|Could not connect|connection (refused|reset)|timed out",
+     "uv could not download a package", "check the target's network, or point the profile's index_url/find_links at a mirror"),
+]
+
+
+def classify(event: dict, last_import: str | None = None) -> AgentError:
+    """Turn the script's error event into an AgentError whose message names the step and the reason.
+
+    Args:
+        event: the final `{"event": "error", ...}` from the script or the verifier.
+        last_import: the module the verifier was importing last (named when the verifier died).
+    """
+    step = event.get("step") or (event.get("data") or {}).get("step") or "?"
+    etype = event.get("type") or "RebuildFailed"
+    message = event.get("message") or "rebuild-venv failed"
+    fix = event.get("fix")
+    tail = [ln for ln in (event.get("data") or {}).get("tail") or [] if ln.strip()]
+    if etype == "SyncFailed":
+        text = "\n".join(tail)
+        for t, pattern, reason, cls_fix in _CLASSES:
+            if re.search(pattern, text):
+                etype, message, fix = t, f"{reason} ({message})", cls_fix
+                break
+    if etype == "VerifyCrashed" and last_import:
+        message += f" while importing {last_import!r}"
+    cause = [ln.strip() for ln in tail if re.search(r"error|cause|because|hint|No such|not found", ln, re.I)]
+    detail = "; ".join(cause[:3]) if cause else (tail[-1].strip() if tail else "")
+    text = f"rebuild-venv failed at step `{step}`: {message}"
+    if detail and detail not in text:
+        text += f": {detail}"
+    err = AgentError(text + " (the current venv is unchanged)", agent_type=etype, fix=fix)
+    return err.with_data({**(event.get("data") or {}), "step": step})
+
+
+class _Events:
+    """Splits the script's stdout into JSON events (a plain line becomes a `log` event)."""
+
+    def __init__(self, on_event: EventCallback | None):
+        self.on_event = on_event
+        self.buf = b""
+        self.final: dict | None = None
+        self.fingerprint: dict | None = None
+        self.last_import: str | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        for raw in lines:
+            self._line(raw.decode("utf-8", errors="replace"))
+
+    def finish(self) -> None:
+        if self.buf.strip():
+            self._line(self.buf.decode("utf-8", errors="replace"))
+        self.buf = b""
+
+    def _line(self, text: str) -> None:
+        text = text.strip()
+        if not text:
+            return
+        try:
+            ev = json.loads(text)
+            if not isinstance(ev, dict):
+                raise ValueError
+        except ValueError:
+            ev = {"event": "log", "source": "stdout", "line": text}
+        kind = ev.get("event")
+        if kind in ("result", "error"):
+            self.final = ev
+            return
+        if kind == "fingerprint":
+            self.fingerprint = ev.get("data")
+        if kind == "progress" and ev.get("module"):
+            self.last_import = ev["module"]
+        if self.on_event is not None:
+            self.on_event(ev)
+
+
+# -------------------------------------------------------------------------------------------------- op
+
+
+def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False, rollback: bool = False,
+                 on_event: EventCallback | None = None, locks_dir: Path | None = None,
+                 timeout: float = 3600.0) -> VenvReport:
+    """Build (or keep, or roll back) the target's venv from the profile's lock, in ONE target command.
+
+    Args:
+        target: a LocalTarget or ContainerTarget (`.run(argv, stdin=, on_stdout=, timeout=)`, `.workdir`).
+        profile: the venv profile (inventory model or dict); kind `workstation` builds nothing.
+        offline: uv uses only its cache (and the profile's local find_links).
+        force: rebuild even when `current` already matches the lock and the bundle.
+        rollback: switch `current` back to the previous venv instead of building.
+        on_event: receives progress and log events (uv's lines, one import per module) as they come.
+        locks_dir: where shipped locks are looked up (tests).
+        timeout: seconds for the whole command.
+    Returns:
+        A VenvReport (`action` built / noop / rollback / workstation).
+    Raises:
+        UserError: bad profile or lock. AgentError: a step failed (its type and step in the message);
+        `current` is then as it was. ConnectError / PctError: the target cannot be reached.
+    """
+    start = time.monotonic()
+    p = as_profile(profile)
+    if p is None:
+        return VenvReport("workstation", target.name, wall_s=time.monotonic() - start)
+    if rollback:
+        argv = script_argv("rollback", target.workdir)
+        stdin = None
+        lock = None
+    else:
+        from orchestrator.bundle import build_bundle
+
+        lock = resolve_lock(p.lock, locks_dir)
+        bundle = build_bundle()
+        wheel = bundle_wheel(bundle.hash, bundle.data)
+        argv = script_argv("build", target.workdir, lock_hash=lock.hash, bundle_hash=bundle.hash, python=p.python,
+                           keep=p.keep, force=force, offline=offline, cache=p.uv_cache_dir, wheel=wheel.name,
+                           wheel_sha=wheel.sha256, sync_opts=sync_options(p, lock))
+        stdin = payload(lock, wheel)
+    events = _Events(on_event)
+    res = target.run(argv, stdin=stdin, timeout=timeout, on_stdout=events.feed)
+    events.finish()
+    final = events.final
+    if final is None:
+        err = res.stderr.decode("utf-8", errors="replace").strip().splitlines()[-5:]
+        extra = f" while importing {events.last_import!r}" if events.last_import else ""
+        raise AgentError(f"rebuild-venv on {target.name} ended (exit {res.exit_code}) without a result{extra}"
+                         + (": " + " | ".join(err) if err else ""), agent_type="RebuildDied", result=res)
+    if final.get("event") == "error":
+        raise classify(final, events.last_import)
+    data = final.get("data") or {}
+    return VenvReport(
+        action=data.get("action", "?"), target=target.name, venv=data.get("venv"), previous=data.get("previous") or None,
+        lock_hash=data.get("lock_hash"), bundle_hash=data.get("bundle_hash"), lock=lock.name if lock else None,
+        fingerprint=events.fingerprint or data.get("fingerprint"), pruned=list(data.get("pruned") or []),
+        timings_ms=dict(data.get("timings") or {}), wall_s=time.monotonic() - start, commands=1,
+    )
+
+
+__all__ = ["FINGERPRINT", "STAMP", "UvProfile", "VenvReport", "Wheel", "as_profile", "bundle_wheel", "classify",
+           "payload", "rebuild_venv", "script_argv", "sync_options"]
