@@ -289,3 +289,9 @@ def test_local_workdir_defaults_to_the_user_data_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SOMEWHERE", str(tmp_path / "w"))
     inv = parse_inventory("targets:\n  local: {kind: local, workdir: $SOMEWHERE/x}\nvenvs:\n  workstation: {kind: workstation}\n")
     assert inv.target("local").resolved_workdir() == tmp_path / "w" / "x"
+
+
+def test_shipped_tiny_matches_the_trainers_tiny_config():
+    tiny = pytest.importorskip("trainer.tiny")  # imports torch (the trainer extra)
+    shipped = load_inventory(REPO / "inventory.yaml").experiment("tiny").trainer.model_dump(exclude={"output_dir"})
+    assert shipped == tiny.tiny_train_config("x").model_dump(exclude={"output_dir"})
