@@ -128,10 +128,12 @@ class Catalogue:
         self.by_id.setdefault(UNCLASSIFIED, _UNCLASSIFIED_SIG)
         self._patterns = [[re.compile(p) for p in s.patterns] for s in self.signatures]
         # One alternation of every prefilter plus the traceback header; a line that misses it cannot match.
-        alternatives = [re.escape(TRACEBACK_HEADER)]
+        # Deduplicated and sorted: sre tries branches in order at every candidate position, and sorted
+        # literals sharing a first character sit together (measured ~2x faster on bench/diagnose_vs_grep).
+        alternatives = {re.escape(TRACEBACK_HEADER)}
         for sig in self.signatures:
-            alternatives.extend(_prefilters(sig))
-        joined = "|".join(f"(?:{a})" for a in alternatives)
+            alternatives.update(_prefilters(sig))
+        joined = "|".join(f"(?:{a})" for a in sorted(alternatives))
         self.prefilter = re.compile(joined)
         self.prefilter_bytes = re.compile(joined.encode("utf-8"))
 
