@@ -464,6 +464,10 @@ def _format_errors(exc: ValidationError, raw: Any, lines: dict, source: str) -> 
             msg = "unknown key" + (f"; did you mean {close!r}?" if close else "")
             if fields and not close:
                 msg += f" (allowed: {', '.join(fields)})"
+        elif path and path[-1] == "[key]":
+            path.pop()
+            dotted = ".".join(path)
+            msg = f"a name must be text, got {err.get('input')!r}; quote it (\"{err.get('input')}\")"
         elif etype == "missing":
             msg = "required key is missing"
         elif etype == "union_tag_invalid":
@@ -560,6 +564,9 @@ def parse_inventory(text: str, source: str = "inventory.yaml") -> Inventory:
     except ValidationError as exc:
         msgs = _format_errors(exc, raw, lines, source)
         raise InventoryError("\n".join(msgs), fix=f"edit {source} at the line shown") from None
+    # The workstation's own interpreter needs no settings, so it is always there (a minimal inventory with
+    # only a local target must not fail on a venv profile it never mentioned).
+    inv.venvs.setdefault("workstation", WorkstationVenv(kind="workstation"))
     errs = _check_references(inv, lines, source)
     if errs:
         raise InventoryError("\n".join(errs), fix=f"edit {source} at the line shown")

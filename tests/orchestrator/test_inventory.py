@@ -295,3 +295,17 @@ def test_shipped_tiny_matches_the_trainers_tiny_config():
     tiny = pytest.importorskip("trainer.tiny")  # imports torch (the trainer extra)
     shipped = load_inventory(REPO / "inventory.yaml").experiment("tiny").trainer.model_dump(exclude={"output_dir"})
     assert shipped == tiny.tiny_train_config("x").model_dump(exclude={"output_dir"})
+
+
+def test_minimal_inventory_gets_the_workstation_profile_implicitly():
+    inv = parse_inventory("targets:\n  local: {kind: local}\n")
+    assert inv.venv("workstation").kind == "workstation"
+
+
+def test_non_text_names_and_non_mapping_top_level():
+    with pytest.raises(InventoryError, match=r"inventory.yaml:2: experiments.123: a name must be text"):
+        parse_inventory("experiments:\n  123: {kind: command, target: x, command: [a]}\n")
+    with pytest.raises(InventoryError, match=r"inventory.yaml:1: the top level must be a mapping"):
+        parse_inventory("- a\n- b\n")
+    with pytest.raises(InventoryError, match=r"inventory.yaml:1: targets: Input should be a valid dictionary"):
+        parse_inventory("targets: [1, 2]\n")
