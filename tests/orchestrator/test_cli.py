@@ -147,3 +147,19 @@ def test_trust_unknown_host_is_suggested(tmp_path):
     inv.write_text("hosts:\n  pve1: {ssh: example.invalid}\n")
     res = cli("-i", str(inv), "trust", "pve2")
     assert res.returncode == 1 and "did you mean 'pve1'?" in res.stderr
+
+
+def test_event_printer_writes_progress_to_stderr_only(capsys):
+    from orchestrator.render import EventPrinter
+
+    printer = EventPrinter()
+    printer({"event": "progress", "step": "warmup", "message": "GPU 5 compiled in 12.0 s"})
+    printer({"event": "log", "line": "[bold]not markup[/]"})
+    printer({"event": "custom", "x": 1})
+    EventPrinter(quiet=True)({"event": "progress", "step": "hidden", "message": "no"})
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "warmup GPU 5 compiled in 12.0 s" in err
+    assert "[bold]not markup[/]" in err  # log lines are data, never rich markup
+    assert 'custom {"x": 1}' in err
+    assert "hidden" not in err
