@@ -1,0 +1,143 @@
+"""Export in the reference layout, reloaded through AutoModel(trust_remote_code=True)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import MASK_ID, small_model_config
+from trainer.evaluate import acceptance_length
+from trainer.export import REFERENCE_CODE, export_drafter
+from trainer.model import DFlashDrafter
+
+BS = 4
+
+
+def _drafter(target, layers=5, seed=0):
+    torch.manual_seed(seed)
+    return DFlashDrafter.from_target(small_model_config(num_draft_layers=layers), target, MASK_ID).eval()
+
+
+def _load(path, dtype=torch.float32):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(path), trust_remote_code=True, dtype=dtype).eval()
+
+
+def test_layout_58_tensors_and_config_fields(qwen3_target, tmp_path):
+    out = export_drafter(_drafter(qwen3_target), qwen3_target, tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+        assert tuple(f.get_tensor("fc.weight").shape) == (64, 192)
+    assert len(keys) == 58
+    assert not any(k.startswith(("model.", "embed_tokens", "lm_head")) for k in keys)
+    assert "layers.4.self_attn.k_norm.weight" in keys and "hidden_norm.weight" in keys
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert cfg["model_type"] == "qwen3"
+    assert cfg["rope_theta"] == 10000.0 and cfg["rope_parameters"]["rope_theta"] == 10000.0
+    assert cfg["block_size"] == BS and cfg["dflash_config"]["block_size"] == BS
+    assert cfg["dflash_config"]["mask_token_id"] == MASK_ID
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3]
+    assert cfg["num_target_layers"] == 6 and cfg["num_hidden_layers"] == 5
+    assert cfg["layer_types"] == ["full_attention"] * 5 and cfg["tie_word_embeddings"] is False
+    assert cfg["dtype"] == "bfloat16" and cfg["vocab_size"] == 256
+    assert (out / "dflash.py").read_bytes() == REFERENCE_CODE.read_bytes()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_reload_drafts_the_same_tokens(family, qwen3_target, llama_target, tmp_path):
+    target = qwen3_target if family == "qwen3" else llama_target
+    drafter = _drafter(target, layers=2)
+    # sharpen the drafter so its drafts are not near-ties
+    with torch.no_grad():
+        drafter.norm.weight.mul_(4.0)
+    out = export_drafter(drafter, target, tmp_path / family, dtype=torch.float32)
+    model = _load(out)
+    assert type(model).__name__ == "DFlashDraftModel"
+    assert model.block_size == BS and model.mask_token_id == MASK_ID
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, MASK_ID, (1, 30), generator=g)
+    feats = target.features(ids)
+    for start in (5, 17, 29):
+        block = torch.full((1, BS), MASK_ID)
+        block[0, 0] = ids[0, start]
+        ctx_pos = torch.arange(start)[None]
+        block_pos = torch.arange(start, start + BS)[None]
+        with torch.no_grad():
+            ours = drafter.draft_step(block, feats[:, :start], ctx_pos, block_pos, drafter.new_cache())
+            theirs = model(target.embed_tokens(block), feats[:, :start], torch.cat([ctx_pos, block_pos], 1))
+        assert torch.allclose(ours, theirs, atol=1e-5)
+        assert torch.equal(drafter.logits(ours).argmax(-1), target.lm_head(theirs).argmax(-1))
+
+    # the exported spec_generate makes the same rounds as the trainer's evaluation
+    prompt = ids[0, :8].tolist()
+    report = acceptance_length(drafter, target, [prompt], max_new_tokens=20)
+    with torch.no_grad():
+        gen, lens = model.spec_generate(target.hf, torch.tensor([prompt]), max_new_tokens=20, return_stats=True)
+    assert gen[0, 8:].tolist() == report.outputs[0]
+    assert sum(lens) / len(lens) == pytest.approx(report.mean)
+
+
+def test_bfloat16_export_reloads_in_bfloat16(qwen3_target, tmp_path):
+    drafter = _drafter(qwen3_target, layers=2)
+    model = _load(export_drafter(drafter, qwen3_target, tmp_path / "bf16"), dtype=torch.bfloat16)
+    assert model.fc.weight.dtype == torch.bfloat16
+    assert torch.equal(model.fc.weight, drafter.fc.weight.to(torch.bfloat16))
+    gen = model.spec_generate(qwen3_target.hf, torch.tensor([[1, 2, 3, 4]]), max_new_tokens=6)
+    assert gen.shape == (1, 10)
+
+
+def test_export_replaces_atomically_and_leaves_no_temporaries(qwen3_target, tmp_path, monkeypatch):
+    dest = tmp_path / "export"
+    first = _drafter(qwen3_target, layers=2, seed=0)
+    export_drafter(first, qwen3_target, dest)
+    before = (dest / "model.safetensors").read_bytes()
+    # a failing export (wrong layout) leaves the previous export untouched
+    broken = _drafter(qwen3_target, layers=2, seed=1)
+    broken.register_buffer("stray", torch.zeros(2, 2))  # an extra tensor the layout does not have
+    with pytest.raises(ValueError, match="expected 25 draft tensors"):
+        export_drafter(broken, qwen3_target, dest)
+    assert (dest / "model.safetensors").read_bytes() == before
+    # a failure half-way through writing leaves the previous export too, and no temporary behind
+    import trainer.export as export_mod
+
+    def fail(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export_mod.shutil, "copyfile", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export_drafter(_drafter(qwen3_target, layers=2, seed=2), qwen3_target, dest)
+    monkeypatch.undo()
+    assert (dest / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    export_drafter(_drafter(qwen3_target, layers=2, seed=2), qwen3_target, dest)
+    assert (dest / "model.safetensors").read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_reference_code_is_self_contained():
+    tree = ast.parse(REFERENCE_CODE.read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "no relative imports in remote code"
+            roots.add(node.module.split(".")[0])
+    assert roots <= {"torch", "transformers", "inspect", "__future__"}, roots
+    # and it imports without the trainer package on the path
+    code = f"import importlib.util as u; s=u.spec_from_file_location('d', {str(REFERENCE_CODE)!r}); m=u.module_from_spec(s); s.loader.exec_module(m); print(m.DFlashDraftModel.__name__)"
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "DFlashDraftModel"
