@@ -1,0 +1,135 @@
+"""status and stop: run states (running / succeeded / failed / crashed), last tokens/s, the graceful stop's
+escalation, and a container stopped under a run (`pct stop`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent import runs as agent_runs
+from orchestrator.errors import RunNotFound
+from orchestrator.ops.launch import LaunchSpec, launch
+from orchestrator.ops.status import status
+from orchestrator.ops.stop import stop
+from orchestrator.target import ContainerTarget, LocalTarget
+from orchestrator.transport.local import LocalTransport
+
+STUBBORN = [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"]
+METRICS = [sys.executable, "-c", "import json, os, time\np = os.path.join(os.environ['DFLASHCTL_RUN_DIR'], 'metrics.jsonl')\n"
+           "with open(p, 'a') as f:\n    for s in (1, 2, 3):\n        f.write(json.dumps({'step': s, 'loss': 1.0, 'tokens_per_s': 1000.0 * s}) + '\\n')\n"
+           "    f.write(json.dumps({'step': 3, 'tau': 2.5}) + '\\n')\n    f.write('{\"step\": 4, \"tok')\n"
+           "time.sleep(60)\n"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    d = tmp_path / "tmux"
+    d.mkdir()
+    monkeypatch.setenv("TMUX_TMPDIR", str(d))
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+    yield
+    subprocess.run(["tmux", "kill-server"], capture_output=True)
+
+
+def local(tmp_path: Path) -> LocalTarget:
+    wd = tmp_path / "work"
+    wd.mkdir(exist_ok=True)
+    return LocalTarget(name="local", workdir=str(wd), transport=LocalTransport())
+
+
+def spec(experiment: str, argv: list[str], **kw) -> LaunchSpec:
+    return LaunchSpec(experiment=experiment, kind="command", target=kw.pop("target", "local"), command=argv,
+                      venv_profile={"kind": "workstation"}, **kw)
+
+
+def wait_for(pred, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def test_state_of_covers_every_case():
+    assert agent_runs.state_of({"exit_code": 0}, None) == "succeeded"
+    assert agent_runs.state_of({"exit_code": 2}, {"dead": False}) == "failed"
+    assert agent_runs.state_of(None, {"dead": False}) == "running"
+    assert agent_runs.state_of(None, {"dead": True}) == "crashed"
+    assert agent_runs.state_of(None, None) == "crashed"
+
+
+def test_status_shows_last_tokens_per_s_and_a_growing_duration(tmp_path):
+    t = local(tmp_path)
+    res = launch(t, spec("met", METRICS))
+    run = wait_for(lambda: next((r for r in status(t).runs if r.get("tokens_per_s")), None))
+    assert run["run_id"] == res.run_id and run["state"] == "running"
+    assert run["tokens_per_s"] == 3000.0 and run["step"] == 3  # the partial last line and the tau line skipped
+    time.sleep(1.1)
+    later = status(t).run(res.run_id)
+    assert later["duration_s"] >= run["duration_s"] + 1.0
+    assert [s["run_id"] for s in status(t).sessions] == [res.run_id]
+
+
+def test_stop_escalates_to_sigkill_for_a_run_that_ignores_int_and_term(tmp_path):
+    t = local(tmp_path)
+    res = launch(t, spec("stub", STUBBORN))
+    wait_for(lambda: "\nready\n" in (Path(res.run_dir) / "train.log").read_text())
+    events: list[dict] = []
+    out = stop(t, res.run_id, grace_s=0.5, on_event=events.append)
+    assert out.signals == ["SIGINT", "SIGTERM", "SIGKILL"]
+    assert out.exit["signal"] == "SIGKILL" and out.state == "failed"
+    assert [e["signal"] for e in events if e.get("step") == "stop"] == ["SIGINT", "SIGTERM", "SIGKILL"]
+    st = status(t)
+    assert st.run(res.run_id)["state"] == "failed" and st.sessions == []  # the dead session was cleared
+    again = stop(t, res.run_id, grace_s=0.5)
+    assert again.already_ended and again.signals == []
+
+
+def test_stop_unknown_run(tmp_path):
+    with pytest.raises(RunNotFound, match="no run nope-1"):
+        stop(local(tmp_path), "nope-1")
+
+
+def test_killed_wrapper_without_exit_json_is_crashed(tmp_path):
+    t = local(tmp_path)
+    res = launch(t, spec("kil", STUBBORN))
+    wait_for(lambda: "\nready\n" in (Path(res.run_dir) / "train.log").read_text())
+    pane = status(t).sessions[0]["pane_pid"]
+    # SIGKILL the wrapper (pane group) and then the command: nobody is left to write exit.json (an OOM
+    # killer or a power cut does this).
+    os.killpg(pane, signal.SIGKILL)
+    os.killpg(int((Path(res.run_dir) / "pid").read_text()), signal.SIGKILL)
+    run = wait_for(lambda: (r := status(t).run(res.run_id)) and r["state"] != "running" and r)
+    assert run["state"] == "crashed" and not (Path(res.run_dir) / "exit.json").exists()
+
+
+def test_pct_stop_kills_the_session_and_status_says_so(fake_pve):
+    ct = fake_pve.create_container(311, gpus=2)
+    venv = Path(ct.workdir) / "venvs" / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (Path(ct.workdir) / "venvs" / "current").symlink_to("v")
+    try:
+        t = ContainerTarget(name="ct311", workdir=ct.workdir, transport=fake_pve.pct_transport(311))
+        res = launch(t, spec("pst", STUBBORN, target="ct311"))
+        assert status(t).run(res.run_id)["state"] == "running"
+        ct.stop()  # `pct stop`: the container's init and everything in it die, no exit.json is written
+        down = status(t)
+        assert down.state == "stopped" and down.runs == [] and "not running" in (down.note or "")
+        ct.start()
+        up = status(t)
+        t.close()
+        assert up.state == "running" and up.sessions == []
+        assert up.run(res.run_id)["state"] == "crashed" and up.run(res.run_id)["exit_code"] is None
+    finally:
+        fake_pve.remove_container(311)
