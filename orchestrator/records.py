@@ -49,9 +49,13 @@ def append_record(record: dict) -> Path:
         raise UserError(f"run record for {record.get('run_id')} is not JSON: {exc}") from exc
     path = records_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            # A write torn by a crash left half a line: end it, or this record would be glued onto it.
+            line = "\n" + line
         os.write(fd, line.encode())
         os.fsync(fd)
     finally:
