@@ -135,11 +135,14 @@ def _optional_import(node: ast.AST, parents: dict) -> bool:
     return False
 
 
-def _module_files(module: str, search: list[str]) -> list[tuple[str, Path, Path]]:
-    """(dotted name, file, search base) of a bundle module, or of every module of a bundle package."""
+def _module_files(module: str, search: list[str], whole: bool = False) -> list[tuple[str, Path, Path]]:
+    """(dotted name, file, search base) of a bundle module; with `whole`, of every module of a package
+    (agent verbs are imported by name at run time, so a root package counts as a whole)."""
     rel = Path(*module.split("."))
     for base in map(Path, search):
         pkg = base / rel
+        if (pkg / "__init__.py").is_file() and not whole:
+            return [(module, pkg / "__init__.py", base)]
         if (pkg / "__init__.py").is_file():
             out = []
             for path in sorted(pkg.rglob("*.py")):
@@ -181,16 +184,16 @@ def bundle_requirements(roots=CONTAINER_ROOTS, search: list[str] | None = None) 
     """
     search = search or [p for p in sys.path if p and os.path.isdir(p)]
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    todo = list(roots)
-    seen_modules: set[str] = set()
+    todo = [(r, True) for r in roots]
+    seen_modules: set[tuple[str, bool]] = set()
     seen_files: set[Path] = set()
     needed: dict[str, list[str]] = {}
     while todo:
-        mod = todo.pop()
-        if mod in seen_modules:
+        mod, whole = todo.pop()
+        if (mod, whole) in seen_modules:
             continue
-        seen_modules.add(mod)
-        for name, path, base in _module_files(mod, search):
+        seen_modules.add((mod, whole))
+        for name, path, base in _module_files(mod, search, whole):
             if path in seen_files:
                 continue
             seen_files.add(path)
@@ -205,7 +208,7 @@ def bundle_requirements(roots=CONTAINER_ROOTS, search: list[str] | None = None) 
                     continue
                 if top in BUNDLE_PACKAGES:
                     # `from orchestrator.agent import gpu` imports the submodule `gpu`: follow both.
-                    todo.extend(m for m in (module, *subs) if _module_files(m, search))
+                    todo.extend((m, False) for m in (module, *subs) if _module_files(m, search))
                 else:
                     needed.setdefault(top, []).append(f"{path.relative_to(base).as_posix()}:{node.lineno}")
     return dict(sorted(needed.items()))
@@ -357,7 +360,7 @@ def _main_verify(args: list[str]) -> int:
 
 
 def _profile_kind(profile) -> str:
-    if profile is None:
+    if not profile:  # no profile: the running interpreter
         return "workstation"
     kind = profile.get("kind") if isinstance(profile, dict) else getattr(profile, "kind", None)
     return kind or "uv"
@@ -389,8 +392,8 @@ def current_fingerprint(workdir: str, profile) -> dict:
 
     Args:
         workdir: the target workdir (holds venvs/current).
-        profile: the venv profile (a dict, or a model with `.kind`); kind `workstation` (or None) means
-            the running interpreter.
+        profile: the venv profile (a dict, or a model with `.kind`); kind `workstation` (or an empty/None
+            profile) means the running interpreter.
     Returns:
         The fingerprint dict (contracts.md). For a uv profile without a usable current venv, a dict with
         `lock_hash: None` and `error` saying what is wrong and how to fix it.

@@ -28,6 +28,11 @@ PROFILES = ("cpu", "cuda", "test")
 PYTHON_VERSION = "3.11"
 PYTHON_PLATFORM = "x86_64-manylinux_2_28"
 
+# Where a profile's special wheels come from when `dflashctl lock` is given no source of its own.
+DEFAULT_SOURCES: dict[str, dict] = {
+    "cpu": {"extra_index_urls": ["https://download.pytorch.org/whl/cpu"]},
+}
+
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
 
 
@@ -196,7 +201,8 @@ def compile_lock(
     Args:
         profile: the lock profile name (a `<profile>.in` must exist).
         upgrade_packages: packages allowed to move to newer versions.
-        find_links / index_url / extra_index_urls: where uv finds distributions (e.g. the torch CPU wheel).
+        find_links / index_url / extra_index_urls: where uv finds distributions (e.g. the torch CPU wheel);
+            none given: the profile's DEFAULT_SOURCES (cpu: the PyTorch CPU index).
         locks_dir: the directory of .in/.txt files (default: the shipped templates/locks).
         on_line: called with each line uv prints on stderr (progress).
         timeout: seconds before uv is killed.
@@ -210,6 +216,9 @@ def compile_lock(
     from orchestrator.transport.local import LocalTransport
 
     check_name("lock profile", profile)
+    if not (find_links or index_url or extra_index_urls):
+        defaults = DEFAULT_SOURCES.get(profile, {})
+        extra_index_urls = defaults.get("extra_index_urls", ())
     base = locks_dir or LOCKS_DIR
     in_path = base / f"{profile}.in"
     out_path = base / f"{profile}.txt"

@@ -248,6 +248,7 @@ def classify(event: dict, last_import: str | None = None) -> AgentError:
     text = f"rebuild-venv failed at step `{step}`: {message}"
     if detail and detail not in text:
         text += f": {detail}"
+    fix = fix or "fix the cause above, then run `dflashctl rebuild-venv` again"
     err = AgentError(text + " (the current venv is unchanged)", agent_type=etype, fix=fix)
     return err.with_data({**(event.get("data") or {}), "step": step})
 
@@ -296,6 +297,20 @@ class _Events:
 
 
 # -------------------------------------------------------------------------------------------------- op
+
+
+def profile_for(inv, target: str | None, profile: str | None):
+    """(target name, profile name, profile model) for `rebuild-venv [--target T] [--profile P]`.
+
+    The target defaults to the inventory's default target, the profile to the target's `venv`.
+
+    Raises:
+        UserError / InventoryError: unknown or unsafe names (with suggestions).
+    """
+    tname = target or inv.default_target()
+    pname = profile or inv.target(tname).venv
+    return tname, pname, inv.venv(pname)
+
 
 
 def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False, rollback: bool = False,

@@ -1,0 +1,14 @@
+"""`fingerprint`: the venv fingerprint of the target (what launch compares and `runs diff` shows).
+
+Request: {"workdir", "profile": {venv profile dict}, "expected_lock_hash": str|null}
+Result:  {"fingerprint": {...}, "diff": [human lines; empty when it matches the expected lock]}
+"""
+
+from __future__ import annotations
+
+from orchestrator.agent.venvinfo import current_fingerprint, fingerprint_diff
+
+
+def run(request: dict, emit) -> dict:
+    fp = current_fingerprint(request["workdir"], request.get("profile") or {})
+    return {"fingerprint": fp, "diff": fingerprint_diff(fp, request.get("expected_lock_hash"))}

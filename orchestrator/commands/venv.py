@@ -1,0 +1,129 @@
+"""`dflashctl rebuild-venv` and `dflashctl lock`: the target's venv from a lock, and the locks themselves."""
+
+from __future__ import annotations
+
+import typer
+
+REBUILD_HELP = """Build the target's venv from its profile's lock in ONE command on the target: a new
+venvs/<lock-hash>-<time>/ (uv venv + exact uv pip sync of the lock and this project's bundle), every
+top-level module imported, a fingerprint written, then `current` switched atomically. Nothing to do when
+`current` already matches the lock and the bundle (unless --force). A failure names the step and the
+reason and leaves `current` as it was."""
+
+LOCK_HELP = """Regenerate templates/locks/PROFILE.txt (all profiles when none is given) with
+`uv pip compile --generate-hashes` from PROFILE.in, keeping existing pins unless --upgrade-package
+names a package."""
+
+
+class _Progress:
+    """A rich progress line for the script's events: the step, its message, and a bar while verifying."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.progress = None
+
+    def __enter__(self):
+        if not self.quiet:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+            from orchestrator.render import console
+
+            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), console=console(stderr=True), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("rebuild-venv", total=None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def __call__(self, event: dict) -> None:
+        if self.progress is None:
+            return
+        kind = event.get("event")
+        if kind == "progress":
+            desc = f"[cyan]{event.get('step', '')}[/] {event.get('message', '')}"
+            if event.get("n"):
+                self.progress.update(self.task, description=desc, total=event["n"], completed=event.get("i", 0))
+            else:
+                self.progress.update(self.task, description=desc, total=None)
+                self.progress.console.print(desc, markup=True)
+        elif kind == "log":
+            self.progress.console.print(f"  {event.get('line', '')}", markup=False, style="dim")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("rebuild-venv", help=REBUILD_HELP)
+    def rebuild_venv_cmd(
+        target: str = typer.Option(None, "--target", "-t", help="Target (default: the inventory's default)."),
+        profile: str = typer.Option(None, "--profile", "-p", help="Venv profile (default: the target's `venv`)."),
+        offline: bool = typer.Option(False, "--offline", help="Use only the uv cache (and local find_links)."),
+        force: bool = typer.Option(False, "--force", help="Rebuild even if the current venv matches."),
+        rollback: bool = typer.Option(False, "--rollback", help="Switch back to the previous venv."),
+        as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    ) -> None:
+        import dataclasses
+
+        from orchestrator.cli import GlobalOptions
+        from orchestrator.errors import UserError
+        from orchestrator.inventory import load_inventory
+        from orchestrator.ops.venv import profile_for, rebuild_venv
+        from orchestrator.render import console, print_json
+        from orchestrator.target import open_target
+
+        if rollback and (force or offline):
+            raise UserError("--rollback takes no --force or --offline", fix="dflashctl rebuild-venv --rollback")
+        inv = load_inventory(GlobalOptions.inventory)
+        tname, pname, prof = profile_for(inv, target, profile)
+        tgt = open_target(inv, tname)
+        try:
+            with _Progress(quiet=as_json) as view:
+                report = rebuild_venv(tgt, prof, offline=offline, force=force, rollback=rollback, on_event=view)
+        finally:
+            tgt.close()
+        if as_json:
+            print_json(dataclasses.asdict(report))
+            return
+        out = console()
+        fp = report.fingerprint or {}
+        env = f"python {fp.get('python')}, torch {fp.get('torch')}, CUDA {fp.get('cuda')}" if fp else ""
+        if report.action == "workstation":
+            out.print(f"profile {pname!r} is the workstation's own interpreter: nothing to build")
+        elif report.action == "noop":
+            out.print(f"{tname}: venv {report.venv} already matches lock {report.lock_hash} and bundle "
+                      f"{report.bundle_hash} ({env}); nothing to do (--force rebuilds)")
+        elif report.action == "rollback":
+            out.print(f"{tname}: current -> {report.venv} ({env}); was {report.previous}")
+        else:
+            secs = {k: f"{v / 1000:.1f}s" for k, v in report.timings_ms.items()}
+            out.print(f"{tname}: built {report.venv} from lock {report.lock} ({report.lock_hash}) in "
+                      f"{report.wall_s:.1f}s ({env})")
+            out.print(f"  steps: {', '.join(f'{k} {v}' for k, v in secs.items())}")
+            if report.previous:
+                out.print(f"  previous: {report.previous} (dflashctl rebuild-venv --rollback)")
+            if report.pruned:
+                out.print(f"  removed old venvs: {', '.join(report.pruned)}")
+
+    @app.command("lock", help=LOCK_HELP)
+    def lock_cmd(
+        profile: str = typer.Argument(None, help="Lock profile (cpu, cuda, test); default: all."),
+        upgrade_package: list[str] = typer.Option([], "--upgrade-package", "-P", help="Allow this package to upgrade."),
+        find_links: list[str] = typer.Option([], "--find-links", help="Directory or URL with wheels (e.g. torch CPU)."),
+        index_url: str = typer.Option(None, "--index-url", help="Replace PyPI."),
+        extra_index_url: list[str] = typer.Option([], "--extra-index-url", help="An extra index."),
+    ) -> None:
+        from orchestrator.ops.lock import LOCKS_DIR, compile_lock
+        from orchestrator.render import console
+
+        out = console()
+        err = console(stderr=True)
+        profiles = [profile] if profile else sorted(p.stem for p in LOCKS_DIR.glob("*.in"))
+        for name in profiles:
+            rep = compile_lock(name, upgrade_packages=upgrade_package, find_links=find_links, index_url=index_url,
+                               extra_index_urls=extra_index_url, on_line=lambda line: err.print(line, markup=False,
+                                                                                                style="dim"))
+            what = "unchanged" if rep.unchanged else f"{rep.old_hash} -> {rep.hash}"
+            out.print(f"{name}: {rep.packages} packages, {what} ({rep.path})")
+            for pkg, (old, new) in rep.changed.items():
+                out.print(f"  {pkg}: {old or '(new)'} -> {new or '(removed)'}")
