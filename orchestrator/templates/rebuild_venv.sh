@@ -139,6 +139,8 @@ uv_version=$("${UV[@]}" --version 2>/dev/null | head -n 1)
 [ -n "$cache" ] || cache="$workdir/uv-cache"
 mkdir -p -- "$cache" || fail WorkdirError "cannot create the uv cache $cache" "fix the venv profile's uv_cache_dir"
 export UV_CACHE_DIR="$cache"
+# Trust the container's CA store (as curl and pip do): a proxy's CA is installed there, not in uv's own roots.
+export UV_NATIVE_TLS="${UV_NATIVE_TLS:-1}"
 [ "$offline" = 1 ] && export UV_OFFLINE=1
 progress uv "$uv_version, cache $cache"
 lap uv
