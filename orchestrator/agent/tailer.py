@@ -161,9 +161,16 @@ def pid_alive(ref: RunRef) -> bool | None:
 
 
 def run_alive(ref: RunRef) -> bool | None:
-    """The run's session is alive (tmux), else, where tmux cannot tell, whether its command's pid is."""
+    """Whether the run still runs: its tmux session has a live pane, or its command's process group (the
+    pid file) still exists. Either is enough: a wrongly declared crash ends the follow, a missed one only
+    delays it until the hang check speaks. None when neither can tell."""
     alive = session_alive(ref)
-    return pid_alive(ref) if alive is None else alive
+    if alive:
+        return True
+    pid = pid_alive(ref)
+    if pid:
+        return True
+    return alive if alive is not None else pid
 
 
 def state_of(exit_info: dict | None, alive: bool | None) -> str:

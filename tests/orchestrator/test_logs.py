@@ -380,6 +380,7 @@ def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
                                                str(Path(ct.workdir) / "release")])
     target = ContainerTarget(name="ct231", workdir=ct.workdir, transport=fake_pve.pct_transport(231))
     lines: list[str] = []
+    events: list[str] = []
     cuts: list[int] = []
     stop = threading.Event()
 
@@ -389,8 +390,8 @@ def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
         seen = 0
         while not stop.is_set() and len(cuts) < 20:
             time.sleep(random.uniform(0.15, 0.35))
-            if len(lines) <= seen:
-                continue
+            if len(events) <= seen:
+                continue  # no event yet on this connection: wait for the reconnect to be serving
             victims = sshd_children(fake_pve._sshd.pid)
             for pid in victims:
                 try:
@@ -398,21 +399,22 @@ def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
                 except ProcessLookupError:
                     pass
             if victims:
-                cuts.append(len(lines))
-                seen = len(lines)
+                cuts.append(not (run / "exit.json").exists())  # True: the run was still going
+                seen = len(events)
         Path(ct.workdir, "release").touch()
 
     t = threading.Thread(target=cutter, daemon=True)
     t.start()
     try:
-        out = follow(target, "cut-1", on_line=lines.append, backoff=FAST, heartbeat=1.0)
+        out = follow(target, "cut-1", on_line=lines.append, on_event=lambda ev: events.append(ev["event"]),
+                     backoff=FAST, heartbeat=1.0)
     finally:
         stop.set()
         Path(ct.workdir, "release").touch()
         target.close()
     t.join(10)
     assert len(cuts) == 20
-    assert cuts[-1] < n, "every cut fell inside the run"
+    assert all(cuts), "every cut fell inside the run"
     assert numbered(lines) == [f"line {i:06d}" for i in range(n)]  # each exactly once, in order
     assert out.state == "succeeded" and out.exit_code == 0 and json.loads((run / "exit.json").read_text())["exit_code"] == 0
     assert out.reconnects >= 20

@@ -194,6 +194,7 @@ def test_follow_streams_every_line_of_a_live_writer_once(tmp_path):
     ev = Events()
     n = 20_000
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run), str(n)])
+    (run / "pid").write_text(str(writer.pid))  # no tmux session: the pid file says it runs
     result = tail_verb.run({"workdir": str(tmp_path), "run_id": "r1", "follow": True, "heartbeat": 0.5}, ev.emit)
     assert writer.wait(30) == 0
     data = ev.of("data")
