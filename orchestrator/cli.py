@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "orchestrator.commands.venv",
     "orchestrator.commands.launch",
     "orchestrator.commands.logs",
+    "orchestrator.commands.metrics",
 ]
 
 app = typer.Typer(

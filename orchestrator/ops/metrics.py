@@ -25,19 +25,18 @@ class MetricsSeries:
     """panel title -> (steps, values)"""
 
 
-def fetch_metrics(target, run_id: str, max_rows: int = 2000) -> MetricsSeries:
-    """Read runs/<run_id>/metrics.jsonl in the target (one agent call) into plottable series.
+def fetch_metrics(target, run_id: str | None = None, *, experiment: str | None = None, max_rows: int = 2000) -> MetricsSeries:
+    """Read runs/<run_id>/metrics.jsonl (or the newest run of `experiment`) in the target, in one agent
+    call, into plottable series.
 
     Raises:
         RunNotFound: no such run in the target.
     """
     try:
-        data = target.agent("metrics", {"run_id": run_id, "max_rows": max_rows})
+        data = target.agent("metrics", {"run_id": run_id, "experiment": experiment, "max_rows": max_rows})
     except AgentError as exc:
         if exc.agent_type == "RunNotFound":
             raise RunNotFound(exc.message, fix=exc.fix) from None
-        if exc.agent_type == "BadName":
-            raise UserError(exc.message) from None
         raise
     return series_from_rows(data["run_id"], data["rows"], data.get("total", len(data["rows"])))
 

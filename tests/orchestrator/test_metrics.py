@@ -40,8 +40,16 @@ def test_fetch_skips_torn_last_line_and_downsamples(target, tmp_path):
 def test_missing_run_and_bad_name(target):
     with pytest.raises(RunNotFound):
         fetch_metrics(target, "nope")
-    with pytest.raises(UserError):
+    with pytest.raises(RunNotFound, match="not a valid run id"):
         fetch_metrics(target, "../etc")
+
+
+def test_experiment_means_its_newest_run(target, tmp_path):
+    for run_id, created, loss in (("tiny-a", "2026-11-30T01:00:00Z", 1.0), ("tiny-b", "2026-11-30T02:00:00Z", 2.0)):
+        _write_run(tmp_path, run_id, [{"step": 0, "loss": loss}])
+        (tmp_path / "runs" / run_id / "run.json").write_text(json.dumps({"experiment": "tiny", "created": created}))
+    ms = fetch_metrics(target, experiment="tiny")
+    assert ms.run_id == "tiny-b" and ms.series["loss"][1] == [2.0]
 
 
 def test_terminal_and_png(tmp_path):
@@ -53,3 +61,20 @@ def test_terminal_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(UserError, match="no metrics"):
         write_png(series_from_rows("empty", []), str(tmp_path / "e.png"))
+
+
+def test_cli_metrics_draws_and_writes_png(tmp_path):
+    from tests.orchestrator.test_cli import cli, write_inventory
+
+    inv = write_inventory(tmp_path)
+    runs = tmp_path / "work" / "runs" / "tiny-x"
+    runs.mkdir(parents=True)
+    (runs / "run.json").write_text(json.dumps({"experiment": "tiny", "created": "2026-11-30T00:00:00Z"}))
+    (runs / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 3 - i / 10}) + "\n" for i in range(10)))
+    png = tmp_path / "out.png"
+    res = cli("--inventory", str(inv), "metrics", "tiny", "--png", str(png))
+    assert res.returncode == 0, res.stderr
+    assert "tiny-x: loss" in res.stdout
+    assert png.exists() and png.stat().st_size > 1000
+    res = cli("--inventory", str(inv), "metrics", "nope-run")
+    assert res.returncode == 4 and "no run 'nope-run'" in res.stderr

@@ -1,4 +1,5 @@
-"""`metrics`: the rows of runs/<run-id>/metrics.jsonl, downsampled evenly to at most `max_rows`.
+"""`metrics`: the rows of runs/<run-id>/metrics.jsonl (or the newest run of an experiment), downsampled
+evenly to at most `max_rows` (first and last kept).
 
 A torn last line (the trainer is writing it right now) is skipped, not an error.
 """
@@ -6,15 +7,11 @@ A torn last line (the trainer is writing it right now) is skipped, not an error.
 from __future__ import annotations
 
 import json
-import os
-import re
 
-from orchestrator.agent.protocol import AgentFailure
-
-_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+from orchestrator.agent.tailer import resolve_run
 
 
-def read_rows(path: str) -> tuple[list[dict], int]:
+def read_rows(path) -> tuple[list[dict], int]:
     """Parse a metrics.jsonl; returns (rows, number of unparseable lines)."""
     rows, bad = [], 0
     with open(path, "rb") as f:
@@ -32,19 +29,13 @@ def read_rows(path: str) -> tuple[list[dict], int]:
 
 
 def run(request: dict, emit) -> dict:
-    run_id = str(request.get("run_id", ""))
-    if ".." in run_id or not _SAFE.match(run_id):
-        raise AgentFailure("BadName", f"not a valid run id: {run_id!r}")
-    run_dir = os.path.join(request["workdir"], "runs", run_id)
-    if not os.path.isdir(run_dir):
-        raise AgentFailure("RunNotFound", f"no run {run_id} in {request['workdir']}/runs", fix="dflashctl runs")
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return {"run_id": run_id, "rows": [], "total": 0, "bad_lines": 0}
-    rows, bad = read_rows(path)
+    ref = resolve_run(request["workdir"], request.get("run_id"), request.get("experiment"))
+    if not ref.metrics.exists():
+        return {"run_id": ref.run_id, "rows": [], "total": 0, "bad_lines": 0}
+    rows, bad = read_rows(ref.metrics)
     max_rows = int(request.get("max_rows", 2000))
     total = len(rows)
-    if total > max_rows > 0:
-        stride = total / max_rows
-        rows = [rows[int(i * stride)] for i in range(max_rows - 1)] + [rows[-1]]
-    return {"run_id": run_id, "rows": rows, "total": total, "bad_lines": bad}
+    if total > max_rows > 1:
+        stride = (total - 1) / (max_rows - 1)
+        rows = [rows[round(i * stride)] for i in range(max_rows)]
+    return {"run_id": ref.run_id, "rows": rows, "total": total, "bad_lines": bad}
