@@ -51,6 +51,7 @@ class SSHTransport:
         connect_timeout: seconds for TCP connect, banner and authentication, each.
         keepalive: seconds between keepalive messages (0: off).
         name: how the user names this host (inventory name), for messages such as `dflashctl trust NAME`.
+        ssh_config_file: read this ssh_config instead of ~/.ssh/config and /etc/ssh/ssh_config (tests).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class SSHTransport:
         connect_timeout: float = 10.0,
         keepalive: int = 15,
         name: str | None = None,
+        ssh_config_file: str | None = None,
     ):
         self.hostname = hostname
         self.port = int(port)
@@ -74,6 +76,7 @@ class SSHTransport:
         self.ssh_config_alias = ssh_config_alias
         self.connect_timeout = float(connect_timeout)
         self.keepalive = int(keepalive)
+        self.ssh_config_file = ssh_config_file
         self.label = name or ssh_config_alias or hostname
         self.name = f"ssh:{self.label}"
         self.calls = 0  # commands run (for tests and benchmarks)
@@ -96,8 +99,10 @@ class SSHTransport:
         if self.identity_file:
             kwargs.update(key_filename=[self.identity_file], look_for_keys=False, allow_agent=False)
         target = self.ssh_config_alias or self.hostname
+        config = fabric.Config(runtime_ssh_path=self.ssh_config_file) if self.ssh_config_file else None
         conn = fabric.Connection(
             target,
+            config=config,
             user=self.user,
             port=self.port if (self.ssh_config_alias is None or self.port != 22) else None,
             connect_timeout=max(1, math.ceil(self.connect_timeout)),

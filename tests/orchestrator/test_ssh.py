@@ -8,7 +8,7 @@ import time
 import pytest
 
 from fakehost.strings import HOSTILE, PRINT_ARGV
-from orchestrator.errors import ConnectError
+from orchestrator.errors import ConnectError, HostKeyError
 from orchestrator.transport.base import CommandTimeout
 from orchestrator.transport.ssh import SSHTransport
 
@@ -168,3 +168,44 @@ def test_wrong_key_is_an_authentication_error(fake_pve, tmp_path):
     with pytest.raises(ConnectError, match="authentication failed") as info:
         ssh.run(["true"])
     assert "authorized_keys" in str(info.value)
+
+
+def _alias_config(fake_pve, tmp_path, extra: str = "") -> str:
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(
+        f"Host pve-alias\n  HostName 127.0.0.1\n  Port {fake_pve.port}\n  User root\n"
+        f"  IdentityFile {fake_pve.identity_file}\n" + extra
+    )
+    return str(cfg)
+
+
+def test_ssh_config_alias_resolves_host_port_user_and_key(fake_pve, tmp_path):
+    cfg = _alias_config(fake_pve, tmp_path)
+    ssh = SSHTransport("pve-alias", ssh_config_alias="pve-alias", known_hosts=fake_pve.known_hosts,
+                       ssh_config_file=cfg)
+    try:
+        assert ssh.run(["sh", "-c", 'echo "$SSH_CONNECTION"']).text().split()[2:] == ["127.0.0.1", str(fake_pve.port)]
+    finally:
+        ssh.close()
+
+
+def test_proxyjump_goes_through_the_jump_host_and_checks_both_keys(fake_pve, tmp_path):
+    # The target is reached by a direct-tcpip channel from the jump host (the same sshd here), under
+    # another name, so known_hosts must vouch for both names.
+    cfg = _alias_config(fake_pve, tmp_path, extra=(
+        f"Host behind\n  HostName localhost\n  Port {fake_pve.port}\n  User root\n"
+        f"  IdentityFile {fake_pve.identity_file}\n  ProxyJump pve-alias\n"))
+    line = open(fake_pve.known_hosts).read().split(" ", 1)[1]
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"[127.0.0.1]:{fake_pve.port} {line}")
+    ssh = SSHTransport("behind", ssh_config_alias="behind", known_hosts=str(kh), ssh_config_file=cfg, name="behind")
+    try:
+        with pytest.raises(HostKeyError) as info:  # the inner hop's key is unknown under "localhost"
+            ssh.run(["true"])
+        assert "dflashctl trust behind" in str(info.value)
+        kh.write_text(kh.read_text() + f"[localhost]:{fake_pve.port} {line}")
+        res = ssh.run(["sh", "-c", 'echo "$SSH_CONNECTION"'])
+        assert res.exit_code == 0
+        assert res.text().split()[0] == "127.0.0.1"  # the jump host's sshd connected to itself
+    finally:
+        ssh.close()
