@@ -409,7 +409,3 @@ class DFlashDrafter(nn.Module):
         )
         drafter = cls(cfg, target.embed_tokens, target.lm_head)
         return drafter.to(target.device)
-
-    def draft_state_dict(self) -> dict[str, torch.Tensor]:
-        """The exported weights: exactly this module's parameters, unprefixed (no embedding, no head)."""
-        return {k: v for k, v in self.state_dict().items()}

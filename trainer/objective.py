@@ -260,7 +260,7 @@ def dflash_loss(
         StepOutput (loss with grad; detached metrics).
 
     Raises:
-        ValueError: gamma <= 0, or shapes inconsistent with the drafter.
+        ValueError: gamma <= 0, shapes inconsistent with the drafter, or the flex backend when training on CPU.
     """
     if gamma <= 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
@@ -273,6 +273,8 @@ def dflash_loss(
         anchors, keep = anchors[0].to(device), anchors[1].to(device)
     R, N = anchors.shape
 
+    if drafter.backend == "flex" and device.type == "cpu" and torch.is_grad_enabled():
+        raise ValueError("attention_backend 'flex' has no CPU backward in torch; use 'auto' or 'sdpa' for CPU training")
     noise_ids, positions = block_inputs(batch, anchors, keep, bs, drafter.mask_token_id)
     mask = build_mask(anchors, keep, batch.doc_ids, bs, drafter.cfg.attention_backend)
     hidden = drafter(noise_ids, batch.target_hidden, positions, mask)  # [R, N*bs, H]

@@ -174,6 +174,16 @@ def test_loss_metrics_are_consistent_on_packed_rows(qwen3_target):
     assert torch.isfinite(drafter.fc.weight.grad).all()
 
 
+def test_flex_backend_refuses_cpu_training_with_a_fix(qwen3_target):
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(small_model_config(attention_backend="flex"), qwen3_target, MASK_ID)
+    with pytest.raises(ValueError, match="use 'auto' or 'sdpa'"):
+        dflash_loss(drafter, _hand_batch(), num_anchors=3, gamma=GAMMA, anchors=(ANCHORS, KEEP))
+    with torch.no_grad():  # evaluation-style forward is fine
+        out = dflash_loss(drafter, _hand_batch(), num_anchors=3, gamma=GAMMA, anchors=(ANCHORS, KEEP))
+    assert torch.isfinite(out.loss)
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="loss_mask has shape"):
         PackedBatch(torch.zeros(1, 4), torch.zeros(1, 5), torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1, 4, 8))
