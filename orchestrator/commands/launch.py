@@ -60,6 +60,7 @@ def register(app: typer.Typer) -> None:
             print_json(result.to_dict())
         else:
             out = console()
+            out.soft_wrap = True  # paths and command lines stay whole (copy-pastable)
             if result.dry_run:
                 plan = result.plan or {}
                 out.print(f"[bold]plan[/] (dry run, nothing changed) for {result.experiment} on {result.target}")
@@ -111,7 +112,8 @@ def register(app: typer.Typer) -> None:
             out.print(table("sessions", ["session", "run", "pane"],
                             [(s["name"], s.get("run_id"), f"dead ({s.get('dead_status')})" if s["dead"] else "alive")
                              for s in st.sessions]))
-        rows = [(r["run_id"], r["state"], r.get("exit_code"), r.get("signal"), r.get("duration_s"), r.get("tokens_per_s"))
+        rows = [(r["run_id"], r["state"], r.get("exit_code"), r.get("signal"), r.get("duration_s"),
+                 None if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}")
                 for r in st.runs]
         out.print(table(f"runs ({len(st.runs)} of {st.total_runs})",
                         ["run", "state", "exit", "signal", "seconds", "tokens/s"], rows))
