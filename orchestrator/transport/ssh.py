@@ -298,10 +298,29 @@ class SSHTransport:
                 raise ConnectError(f"the SSH connection to {self.label} broke during a command: {errors[0]}",
                                    fix="check the network; the command may or may not have finished on the host")
             raise errors[0]
+        if code == -1 and self._connection_died(chan):
+            # The connection itself died: whether the command finished is unknown.
+            raise ConnectError(
+                f"the SSH connection to {self.label} was lost during a command (no exit status)",
+                fix="check the network and the host; the command may or may not have finished there",
+            )
         if code == -1:
             err_tail.extend(b"\n[dflashctl: the remote command ended without an exit status (killed by a signal?)]\n")
             code = NO_EXIT_STATUS
         return result(code)
+
+    @staticmethod
+    def _connection_died(chan, wait: float = 1.0) -> bool:
+        """Whether a channel without exit status closed because the whole connection died (rather than
+        the process being killed by a signal). paramiko closes the channels a moment BEFORE it marks the
+        transport inactive, so give it up to `wait` seconds to say so."""
+        t = chan.get_transport()
+        end = time.monotonic() + wait
+        while t is not None and t.is_active():
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.01)
+        return True
 
     def close(self) -> None:
         with self._lock:

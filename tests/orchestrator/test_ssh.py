@@ -209,3 +209,44 @@ def test_proxyjump_goes_through_the_jump_host_and_checks_both_keys(fake_pve, tmp
         assert res.text().split()[0] == "127.0.0.1"  # the jump host's sshd connected to itself
     finally:
         ssh.close()
+
+
+def test_connection_lost_during_a_command_is_a_connect_error(fake_pve, ssh):
+    import os
+    import signal
+
+
+    ssh.connect()
+    before = set(_sshd_children(fake_pve._sshd.pid))
+    result = {}
+
+    def run():
+        try:
+            result["res"] = ssh.run(["sleep", "30"], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            result["exc"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    for pid in set(_sshd_children(fake_pve._sshd.pid)) | before:
+        os.kill(pid, signal.SIGKILL)  # the per-connection sshd: the network "drops"
+    t.join(30)
+    assert isinstance(result.get("exc"), ConnectError), result
+    assert "lost during a command" in str(result["exc"])
+    assert ssh.run(["echo", "again"]).stdout == b"again\n"  # and the next command reconnects
+
+
+def _sshd_children(main_pid: int) -> list[int]:
+    from pathlib import Path
+
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == main_pid:
+                out.append(int(entry.name))
+    return out
