@@ -20,7 +20,8 @@ from orchestrator.transport.base import Result, StreamCallback, Transport
 STOPPED_RE = re.compile(r"(?m)^container '(\d+)' not running!\s*$")
 MISSING_RE = re.compile(r"(?m)^Configuration file '(nodes/[^']*/lxc/(\d+)\.conf)' does not exist\s*$")
 SUDO_PASSWORD_RE = re.compile(r"(?m)^sudo: (?:a password is required|a terminal is required|sorry, you must have a tty)")
-SUDO_DENIED_RE = re.compile(r"(?m)(?:is not in the sudoers file|is not allowed to execute|sudo: command not found|sudo: not found)")
+SUDO_DENIED_RE = re.compile(r"(?m)(?:is not in the sudoers file|is not allowed to execute)")
+SUDO_MISSING_RE = re.compile(r"(?m)(?:^|: )sudo: (?:command )?not found\s*$")
 
 
 
@@ -115,6 +116,13 @@ def classify(res: Result, ctid: int, host: str, pct: str = "pct", sudo: bool = F
             f"sudo on {host} wants a password to run {pct}",
             result=res,
             fix=f"allow it without one (visudo: `USER ALL=(root) NOPASSWD: /usr/sbin/pct`), or connect as root",
+        )
+    if sudo and SUDO_MISSING_RE.search(text):
+        return SudoRequired(
+            f"the host {host} has no sudo, which the inventory asks for (sudo: true)",
+            result=res,
+            fix="install sudo on the host (apt-get install sudo) with a NOPASSWD rule for pct, or connect as root "
+            "and set sudo: false",
         )
     if sudo and SUDO_DENIED_RE.search(text):
         return SudoRequired(

@@ -65,6 +65,7 @@ def _res(code, stderr):
         (1, "sudo: a password is required\n", True, SudoRequired),
         (1, "alice is not in the sudoers file.\n", True, SudoRequired),
         (1, "sudo: pct: command not found\n", True, PctNotFound),
+        (127, "bash: line 1: sudo: command not found\n", True, SudoRequired),
     ],
 )
 def test_classify_by_text(code, stderr, sudo, expected):
@@ -189,6 +190,21 @@ def test_pct_not_found_is_a_typed_error(fake_pve):
     try:
         with pytest.raises(PctNotFound, match="not-pct"):
             transport.run(["true"])
+    finally:
+        transport.close()
+
+
+def test_sudo_without_sudo_on_the_host_is_a_typed_error(fake_pve):
+    import shutil
+
+    transport = fake_pve.pct_transport(210, sudo=True)
+    try:
+        if shutil.which("sudo") is None:
+            with pytest.raises(SudoRequired, match="has no sudo"):
+                transport.run(["true"])
+        else:  # root with sudo installed: `sudo -n pct` just works
+            assert transport.run(["true"]).exit_code == 0
+            assert fake_pve.pct_calls()[-1][:2] == ["pct", "exec"]
     finally:
         transport.close()
 
