@@ -57,6 +57,35 @@ def _install(src: Path, dest: Path, python: str) -> None:
     os.replace(tmp, dest)
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGTERM to this child when the test process dies (even by SIGKILL),
+    so no sshd outlives a crashed test run."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def cleanup_stale(parent: Path) -> list[Path]:
+    """Stop what earlier, crashed test runs left under `parent` (their owner pid is gone): container inits
+    and sshd; remove their directories unless they were kept on purpose (a `keep` file).
+
+    Returns:
+        The base directories cleaned.
+    """
+    cleaned = []
+    for base in parent.glob("dflash-fakepve-*"):
+        try:
+            owner = int((base / "owner.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if Path(f"/proc/{owner}").exists():
+            continue
+        FakePVE(base).close(remove=not (base / "keep").exists())
+        cleaned.append(base)
+    return cleaned
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -176,7 +205,9 @@ class FakePVE:
         if base is None:
             parent = Path(os.environ.get("FAKE_PVE_PARENT", "/var/tmp"))
             parent.mkdir(parents=True, exist_ok=True)
+            cleanup_stale(parent)
             base = Path(tempfile.mkdtemp(prefix="dflash-fakepve-", dir=parent))
+            (base / "owner.pid").write_text(f"{os.getpid()}\n")
         self.base = Path(base)
         self.node = node
         self.hostname = "127.0.0.1"
@@ -218,7 +249,8 @@ class FakePVE:
             cfg.write_text(sshd_config(b, self.port))
             self._log = open(b / "ssh" / "sshd.log", "ab")
             self._sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)],
-                                          stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
+                                          stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+                                          preexec_fn=_die_with_parent)
             if self._wait_banner(10.0):
                 break
             last = (b / "ssh" / "sshd.log").read_text(errors="replace")[-2000:]
@@ -270,13 +302,16 @@ class FakePVE:
             os.kill(pid, signal.SIGTERM)
 
     def close(self, remove: bool = True) -> None:
-        """Stop every container and sshd; remove the base directory unless `remove` is False."""
+        """Stop every container and sshd; remove the base directory unless `remove` is False (then a
+        `keep` file marks it, so a later run's stale-cleanup leaves it alone)."""
         for d in (self.base / "ct").glob("*"):
             if d.name.isdigit():
                 FakeContainer(self, int(d.name)).stop()
         self._stop_sshd()
         if remove:
             shutil.rmtree(self.base, ignore_errors=True)
+        elif self.base.exists():
+            (self.base / "keep").touch()
 
     # ----------------------------------------------------------------------------------- containers
 
