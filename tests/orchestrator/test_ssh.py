@@ -102,7 +102,7 @@ def test_one_connection_many_commands_and_a_call_counter(fake_pve):
         for _ in range(5):
             assert ssh.run(["true"]).exit_code == 0
         assert (ssh.calls, ssh.connects) == (5, 1)
-        # sshd sees exactly one session for all of them.
+        # Concurrent commands share the one connection too (a channel each).
         threads = [threading.Thread(target=ssh.run, args=(["sleep", "0.2"],)) for _ in range(4)]
         for t in threads:
             t.start()
