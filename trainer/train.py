@@ -127,6 +127,7 @@ class _Setup:
     eval_prompts: list[list[int]]
     mask_token_id: int
     pad_id: int
+    stop_ids: list[int]
 
 
 def _load_eval_prompts(files: list[str], tokenizer: Any, kw: dict, report: SkipReport) -> list[list[int]]:
@@ -215,11 +216,14 @@ def _setup(cfg: TrainConfig, out: Path, device: torch.device, log: Callable[[str
         log(f"eval data: {eval_report.summary()}")
     mask_id = resolve_mask_token_id(cfg.model.mask_token_id, tokenizer, target.vocab_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return _Setup(target, tokenizer, samples, eval_prompts, mask_id, pad_id)
+    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return _Setup(target, tokenizer, samples, eval_prompts, mask_id, pad_id, stop_ids)
 
 
 # -- evaluation -------------------------------------------------------------------------------------
-def _evaluate(drafter, target, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any] | None:
+def _evaluate(
+    drafter, target, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int] | None = None
+) -> dict[str, Any] | None:
     """τ by real greedy speculative decoding on the held-out prompts (None without prompts)."""
     if not prompts:
         return None
@@ -228,7 +232,7 @@ def _evaluate(drafter, target, prompts: list[list[int]], max_new_tokens: int) ->
     was_training = drafter.training
     drafter.eval()
     try:
-        rep = acceptance_length(drafter, target, prompts, max_new_tokens)
+        rep = acceptance_length(drafter, target, prompts, max_new_tokens, stop_token_ids=stop_ids)
     finally:
         drafter.train(was_training)
     hist = rep.histogram
@@ -309,7 +313,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     before_path = out / "eval_before.json"
     if resumed is None or not before_path.exists():
         rng_state, gen_state = capture_rng_state(), anchor_gen.get_state()
-        before = _evaluate(drafter, s.target, s.eval_prompts, eval_tokens)
+        before = _evaluate(drafter, s.target, s.eval_prompts, eval_tokens, s.stop_ids)
         restore_rng_state(rng_state)  # evaluation must not shift the training's random streams
         anchor_gen.set_state(gen_state)
         if before is not None:
@@ -376,6 +380,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                     "sim_tau": acc_tau / acc_n,
                     "tokens_per_s": acc_tokens / max(acc_time, 1e-9),
                     "tokens": packed.num_tokens,
+                    "supervised": int(res.n_tokens),
                     "grad_norm": float(grad_norm),
                     "lr": lr,
                     "time": time.time(),
@@ -393,7 +398,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 save(step, next_epoch, next_index)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
                 rng_state, gen_state = capture_rng_state(), anchor_gen.get_state()
-                mid = _evaluate(drafter, s.target, s.eval_prompts, eval_tokens)
+                mid = _evaluate(drafter, s.target, s.eval_prompts, eval_tokens, s.stop_ids)
                 restore_rng_state(rng_state)
                 anchor_gen.set_state(gen_state)
                 if mid is not None:
@@ -406,7 +411,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     export_dir = out / "export"
     export_drafter(drafter, s.target, export_dir)
     log(f"[export] {export_dir}")
-    after = _evaluate(drafter, s.target, s.eval_prompts, eval_tokens)
+    after = _evaluate(drafter, s.target, s.eval_prompts, eval_tokens, s.stop_ids)
     tau_after = None
     if after is not None:
         _write_json(out / "eval_after.json", after)
