@@ -206,7 +206,8 @@ while read -r _ d; do
     [ -n "$d" ] || continue
     if [ "$d" = "$name" ] || [ "$d" = "$prev" ]; then n=$((n + 1)); continue; fi
     if [ -f "$venvs/$d/$STAMP" ] && [ "$n" -lt "$keep" ]; then n=$((n + 1)); continue; fi
-    rm -rf -- "${venvs:?}/$d" && { jstr "$d"; pruned+="${pruned:+,}$REPLY"; }
+    # Renamed now (the name is free at once), deleted below in the background.
+    mv -f -- "${venvs:?}/$d" "$venvs/.trash.$d" && { jstr "$d"; pruned+="${pruned:+,}$REPLY"; }
 done < <(for p in "$venvs"/*-*; do
     b=${p##*/}
     [ -d "$p" ] && [ ! -L "$p" ] && printf '%s %s\n' "${b#*-}" "$b"
@@ -215,6 +216,12 @@ for p in "$venvs"/.stage.* "$venvs"/.rebuild.*.log; do
     [ -e "$p" ] && [ "$p" != "$stage" ] && [ "$p" != "$steplog" ] && rm -rf -- "$p"
 done
 rm -f -- "$steplog"; steplog=""
+# Deleting a torch venv is tens of thousands of unlinks (seconds on a busy disk): housekeeping that need
+# not hold up the result. Detached, without our lock fd (9) or the output pipes; a leftover .trash.* is
+# picked up by the next rebuild.
+if compgen -G "$venvs/.trash.*" >/dev/null; then
+    (trap - EXIT; exec setsid rm -rf -- "$venvs"/.trash.*) </dev/null >/dev/null 2>&1 9>&- &
+fi
 lap prune
 
 usec; total=$(((REPLY - t_start) / 1000))
