@@ -5,8 +5,8 @@ dflash-<experiment>` reaches by hand; in a container /tmp, and so the server, is
 Each session carries the user option `@dflash_run` = the run id, so a run's state is read from the session
 that really runs it, never from a later run of the same experiment.
 
-libtmux is imported lazily (the agent module must import under a bare python3); a target without it gets
-a clear AgentFailure instead of an ImportError.
+libtmux is imported lazily (the agent module must import under a bare python3); without it the same
+tmux commands run through the tmux CLI directly.
 """
 
 from __future__ import annotations
@@ -27,15 +27,30 @@ def session_name(experiment: str) -> str:
     return SESSION_PREFIX + experiment
 
 
+class _CliResult:
+    """The shape of libtmux's tmux_cmd result (returncode, stdout lines, stderr lines)."""
+
+    def __init__(self, proc):
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout.decode("utf-8", "replace").splitlines()
+        self.stderr = proc.stderr.decode("utf-8", "replace").splitlines()
+
+
+class _CliServer:
+    """The tmux CLI run directly: used when libtmux is not importable (the agent under a bare python3
+    before a venv exists), so status and stop still work there."""
+
+    def cmd(self, *args: str) -> _CliResult:
+        import subprocess
+
+        return _CliResult(subprocess.run(["tmux", *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=30))
+
+
 def _server():
     try:
         import libtmux
-    except ImportError as exc:
-        raise AgentFailure(
-            "LibtmuxMissing",
-            f"libtmux is not importable by the target's interpreter ({exc})",
-            fix="dflashctl rebuild-venv (the venv lock includes libtmux)",
-        ) from None
+    except ImportError:
+        return _CliServer()
     try:
         return libtmux.Server()
     except Exception as exc:  # noqa: BLE001 - libtmux raises its own TmuxCommandNotFound

@@ -84,6 +84,9 @@ def attach_argv(target, session: str, read_only: bool = False) -> list[str]:
     from orchestrator.target import ContainerTarget
 
     if not isinstance(target, ContainerTarget):
+        if os.environ.get("TMUX") and not read_only:
+            # Already inside tmux: attaching would nest (tmux refuses); switch this client instead.
+            return ["tmux", "switch-client", "-t", "=" + session]
         return tmux_attach_argv(session, read_only)
     pct = target.transport
     ssh = pct.parent

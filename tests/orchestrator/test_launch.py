@@ -80,6 +80,7 @@ def test_build_command_for_both_kinds(tmp_path):
     assert argv == [sys.executable, "-m", "trainer", "train", "--config", str(run / "config.json"),
                     "--output-dir", str(run)]
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # the colocated CPU layout sees no GPU
+    assert build_command({"kind": "dflash", "gpus": [5, 6]}, run)[1]["CUDA_VISIBLE_DEVICES"] == "5,6"
 
 
 @pytest.mark.parametrize("tag", HOSTILE_TAGS)
@@ -190,6 +191,32 @@ def test_a_finished_session_does_not_block_the_next_launch(tmp_path):
     wait_exit(second.run_dir)
     states = {r["run_id"]: r["state"] for r in status(t).runs}
     assert states == {first.run_id: "succeeded", second.run_id: "succeeded"}
+
+
+def test_dflash_launch_of_the_embedded_tiny_experiment_starts_the_real_trainer(tmp_path):
+    from orchestrator.inventory import load_inventory
+    from orchestrator.ops.launch import spec_from_inventory
+    from orchestrator.ops.stop import stop
+    from trainer.config import load_config
+
+    spec = spec_from_inventory(load_inventory(_embedded()), "tiny", tag="t")
+    t = local(tmp_path)
+    res = launch(t, spec)
+    run = Path(res.run_dir)
+    cfg = load_config(run / "config.json")  # the trainer's own loader accepts what launch wrote
+    assert cfg.output_dir == str(run) and cfg.model.block_size == spec.config["model"]["block_size"]
+    assert res.command[1:4] == ["-m", "trainer", "train"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "tiny target" not in (run / "train.log").read_text():
+        time.sleep(0.2)
+    assert "tiny target" in (run / "train.log").read_text()  # the bundled trainer runs in the session
+    out = stop(t, res.run_id, grace_s=10)
+    assert out.exit is not None and out.signals[0] == "SIGINT"
+
+
+def _embedded() -> str:
+    """The packaged default inventory (the embedded default's text)."""
+    return str(Path(__file__).resolve().parents[2] / "orchestrator" / "default_inventory.yaml")
 
 
 # ------------------------------------------------------------------------------------- fake Proxmox host

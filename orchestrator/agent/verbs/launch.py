@@ -61,8 +61,9 @@ def build_command(request: dict, run_dir: Path) -> tuple[list[str], dict[str, st
     if kind == "dflash":
         argv = [sys.executable, "-m", "trainer", "train", "--config", str(run_dir / "config.json"),
                 "--output-dir", str(run_dir)]
-        if not gpus:
-            extra["CUDA_VISIBLE_DEVICES"] = ""
+        # Empty layout: the colocated CPU process sees no GPU. A GPU layout: the trainer's CLI has no layout
+        # option yet, so it runs as one process; it must at least never touch GPUs outside the layout.
+        extra["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         return argv, extra
     if kind == "command":
         argv = _need(request, "command", list)
@@ -218,6 +219,9 @@ def run(request: dict, emit) -> dict:
         runs.write_json(run_dir / "run.json", info)
         emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
 
+        if request.get("kind") == "dflash" and gpus:
+            emit.progress("layout", f"the trainer CLI takes no GPU layout yet: one process on GPUs {gpus}",
+                          warning=True)
         if request.get("kind") == "dflash":
             # The trainer's per-GPU warm-up is not part of the bundle yet; say so rather than pretend.
             emit.progress("warmup", "warm-up skipped: the trainer has no warm-up entry point yet", skipped=True)
