@@ -136,12 +136,59 @@ class OptimConfig(_Strict):
     """Global grad-norm clip."""
 
 
+class LayoutConfig(_Strict):
+    """Which process does what (validated through `trainer.layout.Layout`). Empty: colocated, one process."""
+
+    target_gpus: list[int] = []
+    """GPUs (nvidia-smi indices) that each run one frozen-target process."""
+    drafter_gpus: list[int] = []
+    """GPUs that each run one drafter-training process (DDP, lockstep)."""
+    num_target_procs: int = Field(0, ge=0)
+    """CPU only (no GPUs listed): number of target processes, e.g. 1 for the 1 + 2 gloo test."""
+    num_drafter_procs: int = Field(0, ge=0)
+    """CPU only (no GPUs listed): number of drafter processes."""
+    timeout_s: int = Field(900, ge=10)
+    """Collective / point-to-point timeout: a rank blocked this long (a hung peer) fails instead of hanging."""
+    prefetch: int = Field(2, ge=1, le=8)
+    """Batches a target rank may have in flight per drafter before it waits (overlaps target and drafter)."""
+
+    @model_validator(mode="after")
+    def _valid_layout(self):
+        self.to_layout()  # LayoutError is a ValueError: pydantic reports it under `layout`
+        return self
+
+    def to_layout(self):
+        """The validated `trainer.layout.Layout` (raises LayoutError with the fix)."""
+        from trainer.layout import Layout
+
+        return Layout(
+            tuple(self.target_gpus), tuple(self.drafter_gpus), self.num_target_procs, self.num_drafter_procs
+        )
+
+
+class CompileConfig(_Strict):
+    """torch.compile of the drafter's hot path, and where compiled artifacts persist."""
+
+    enabled: bool = True
+    """Compile: flex_attention on CUDA (always, it is the fast path); the whole drafter forward on CPU."""
+    cpu: bool = False
+    """Also compile on CPU (inductor + gcc): slow to compile, used by warm-up tests; off for the CPU demo."""
+    cache_dir: str | None = None
+    """TORCHINDUCTOR_CACHE_DIR (persistent; /tmp may be wiped). None: the environment's, else torch's default."""
+    recompile_limit: int = Field(8, ge=1)
+    """torch._dynamo.config.recompile_limit: past it Dynamo falls back to eager (and says so in the log)."""
+
+
 class TrainConfig(_Strict):
     """The whole training run."""
 
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
+    layout: LayoutConfig = LayoutConfig()
+    """Process layout (`python -m trainer.launch`); empty = colocated single process."""
+    compile: CompileConfig = CompileConfig()
+    """torch.compile and its cache."""
     gamma: float | None = None
     """Loss decay γ in w_k = exp(-(k-1)/γ). Default by block size: 7 (16), 5 (10), 4 (8)."""
     epochs: int = Field(6, ge=1)
