@@ -19,7 +19,8 @@ RUN_OPTION = "@dflash_run"
 _FIELDS = ("session_name", "pane_pid", "pane_dead", "pane_dead_status", "session_created", RUN_OPTION)
 _FORMAT = "\t".join("#{" + f + "}" for f in _FIELDS)
 # What tmux says when no server runs yet: not an error, just no sessions.
-_NO_SERVER = ("no server running", "error connecting to", "no such file or directory")
+_NO_SERVER = ("no server running", "error connecting to", "no such file or directory",
+              "server exited unexpectedly")  # (the last: the server was exiting as we connected)
 
 
 def session_name(experiment: str) -> str:
@@ -112,8 +113,9 @@ def find_session(name: str) -> dict | None:
 def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
     """Start a detached session running `command` (one shell command line, already rendered).
 
-    remain-on-exit and the run id are set in the same tmux command list as new-session, so they are in place
-    before the command can end (a pane that dies at once still shows its status).
+    The session starts with a placeholder that cannot end by itself; remain-on-exit and the run id are set;
+    only then does respawn-pane swap in the real command (one tmux command list). Setting the option after
+    starting the command would race a command that ends at once: the session would vanish, status lost.
 
     Raises:
         AgentFailure("TmuxFailed"): tmux refused (e.g. the name exists: a race lost to another launch).
@@ -121,9 +123,10 @@ def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
     server = _server()
     res = _cmd(
         server,
-        "new-session", "-d", "-s", name, "-x", "220", "-y", "50", "-c", cwd, command,
+        "new-session", "-d", "-s", name, "-x", "220", "-y", "50", "-c", cwd, "exec sleep 2147483647",
         ";", "set-option", "-t", name, "remain-on-exit", "on",
         ";", "set-option", "-t", name, RUN_OPTION, run_id,
+        ";", "respawn-pane", "-k", "-t", name, "-c", cwd, command,
     )
     if res.returncode != 0:
         raise AgentFailure("TmuxFailed", f"tmux new-session {name} failed: {' '.join(res.stderr)[:300]}")

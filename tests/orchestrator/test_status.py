@@ -142,10 +142,15 @@ def test_sessions_are_read_with_or_without_libtmux(monkeypatch, cli_only):
     if cli_only:  # a bare python3 in a fresh container: the tmux CLI directly
         monkeypatch.setattr(tmuxctl, "_server", lambda: tmuxctl._CliServer())
     assert tmuxctl.list_sessions() == []  # no server yet: no sessions, not an error
-    s = tmuxctl.new_session("dflash-ro", "exit 3", "/", "ro-1")
+    s = tmuxctl.new_session("dflash-ro", "sleep 0.2; exit 3", "/", "ro-1")
     assert (s["name"], s["run_id"]) == ("dflash-ro", "ro-1")
-    dead = wait_for(lambda: (x := tmuxctl.find_session("dflash-ro")) and x["dead"] and x)
+    # (tmux marks the pane dead at EOF of its tty, a moment before it reaps the status)
+    dead = wait_for(lambda: (x := tmuxctl.find_session("dflash-ro")) and x["dead_status"] is not None and x)
     assert dead["dead_status"] == 3  # remain-on-exit kept the pane and its status
+    # A command that ends at once must not take its session with it (remain-on-exit is set before it runs).
+    tmuxctl.new_session("dflash-fast", "exit 0", "/", "fast-1")
+    time.sleep(0.3)
+    assert tmuxctl.find_session("dflash-fast")["dead"]
     assert tmuxctl.kill_session("dflash-ro") and tmuxctl.find_session("dflash-ro") is None
 
 
