@@ -50,8 +50,7 @@ def status(target, *, limit: int = 20, timeout: float | None = 120) -> TargetSta
     try:
         data = target.agent("status", {"limit": limit}, timeout=timeout)
     except ContainerStopped as exc:
-        return TargetStatus(target.name, "stopped", workdir=target.workdir, note=exc.message,
-                            )
+        return TargetStatus(target.name, "stopped", workdir=target.workdir, note=exc.message)
     except ContainerMissing as exc:
         return TargetStatus(target.name, "missing", workdir=target.workdir, note=exc.message)
     return TargetStatus(

@@ -3,7 +3,6 @@ escalation, and a container stopped under a run (`pct stop`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
