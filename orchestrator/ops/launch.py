@@ -147,7 +147,7 @@ def launch(
     cli: str | None = None,
     record: bool = True,
     now: _dt.datetime | None = None,
-    timeout: float | None = 900,
+    timeout: float | None = 3600,
 ) -> LaunchResult:
     """Launch `spec` on `target` in ONE agent call; append a workstation run record.
 
@@ -159,6 +159,7 @@ def launch(
         on_event: receives each progress event of the agent.
         cli: the workstation command line, recorded in run.json.
         record: append to the workstation records (runs.jsonl).
+        timeout: seconds for the whole agent call (warm-ups of several GPUs included).
     Returns:
         LaunchResult.
     Raises:

@@ -214,6 +214,49 @@ def test_dflash_launch_of_the_embedded_tiny_experiment_starts_the_real_trainer(t
     assert out.exit is not None and out.signals[0] == "SIGINT"
 
 
+def test_warmup_argv_golden(tmp_path):
+    from orchestrator.agent.verbs.launch import warmup_argv
+
+    assert warmup_argv("/v/bin/python", tmp_path / "config.json") == [
+        "/v/bin/python", "-m", "trainer.warmup", "--config", str(tmp_path / "config.json"), "--device", "cuda"]
+
+
+def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_path):
+    import importlib.util
+    import io
+    import os
+
+    from orchestrator.agent.protocol import Emitter
+    from orchestrator.agent.verbs.launch import warm_up
+    from orchestrator.bundle import source_root
+    from orchestrator.inventory import load_inventory
+    from orchestrator.ops.launch import spec_from_inventory
+
+    if importlib.util.find_spec("trainer.warmup") is None:
+        pytest.skip("the trainer's warm-up module is not in this tree yet")
+    spec = spec_from_inventory(load_inventory(_embedded()), "tiny")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**spec.config, "output_dir": str(run)}))
+    out = io.StringIO()
+    env = {**os.environ, "PYTHONPATH": str(source_root())}
+    # device cpu: this machine has no GPU; the per-GPU process, CUDA_VISIBLE_DEVICES and streaming are real.
+    done = warm_up({"layout": {"target_gpus": [0], "drafter_gpus": [1, 2]}}, run, env, Emitter(out), device="cpu")
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [d["gpu"] for d in done] == [1, 2] and all(d["device"] == "cpu" for d in done)
+    assert [e["gpu"] for e in events if "warm in" in e["message"]] == [1, 2]
+    assert json.loads((run / "warmup.json").read_text()) == done
+
+    # A warm-up that fails ends the run before any session: exit.json says so, the error names the GPU.
+    (run / "config.json").write_text(json.dumps({"no_such_key": 1}))
+    from orchestrator.agent.protocol import AgentFailure
+
+    with pytest.raises(AgentFailure) as info:
+        warm_up({"layout": {"drafter_gpus": [4]}}, run, env, Emitter(io.StringIO()), device="cpu")
+    assert info.value.type == "WarmupFailed" and "GPU 4" in info.value.message and "no_such_key" in info.value.message
+    assert json.loads((run / "exit.json").read_text())["phase"] == "warmup"
+
+
 def _embedded() -> str:
     """The packaged default inventory (the embedded default's text)."""
     return str(Path(__file__).resolve().parents[2] / "orchestrator" / "default_inventory.yaml")

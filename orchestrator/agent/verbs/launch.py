@@ -132,6 +132,75 @@ def _fingerprint(workdir: str, request: dict, emit) -> dict:
     return actual
 
 
+def warmup_argv(python: str, config: Path, device: str = "cuda") -> list[str]:
+    """The trainer's warm-up for one device: `python -m trainer.warmup --config FILE --device DEVICE`."""
+    return [python, "-m", "trainer.warmup", "--config", str(config), "--device", device]
+
+
+def warm_up(request: dict, run_dir: Path, env: dict[str, str], emit, device: str = "cuda") -> list[dict]:
+    """Compile the training shapes on each drafter GPU, one process per GPU, one GPU after the other (never
+    two compiles racing in one interpreter), so training starts from a warm cache. Streams one progress event
+    per shape and per GPU; the warm-up's stderr goes to runs/<id>/warmup.log.
+
+    Returns:
+        The `warmup_done` summaries, one per GPU.
+    Raises:
+        AgentFailure("WarmupFailed"): a warm-up exited non-zero; exit.json records it (phase "warmup").
+    """
+    if importlib.util.find_spec("trainer.warmup") is None:
+        emit.progress("warmup", "warm-up skipped: this bundle's trainer has no warm-up module", skipped=True)
+        return []
+    drafters = [int(g) for g in (request.get("layout") or {}).get("drafter_gpus") or []]
+    if not drafters:
+        emit.progress("warmup", "warm-up skipped: no drafter GPUs (colocated CPU layout)", skipped=True)
+        return []
+    import json
+    import subprocess
+    import time
+
+    done = []
+    log_path = run_dir / "warmup.log"
+    for gpu in drafters:
+        started = runs.utc_now()
+        t0 = time.monotonic()
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                warmup_argv(sys.executable, run_dir / "config.json", device), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=log, cwd=str(run_dir),
+                env={**env, "CUDA_VISIBLE_DEVICES": str(gpu)},  # the process sees its GPU as cuda:0
+            )
+            for raw in proc.stdout:
+                try:
+                    ev = json.loads(raw)
+                except ValueError:
+                    continue
+                if not isinstance(ev, dict):
+                    continue
+                kind = ev.pop("event", "")
+                if kind == "warmup_shape":
+                    emit.progress("warmup", f"GPU {gpu}: shape {ev.get('shape')} compiled in {ev.get('compile_s')} s "
+                                  f"(fx cache hit {ev.get('fxgraph_cache_hit')}, miss {ev.get('fxgraph_cache_miss')})",
+                                  gpu=gpu, **ev)
+                elif kind == "warmup_done":
+                    done.append({"gpu": gpu, **ev})
+                    emit.progress("warmup", f"GPU {gpu}: warm in {time.monotonic() - t0:.1f} s, compile "
+                                  f"{ev.get('compile_s')} s, cache hits {ev.get('cache_hits')} / misses "
+                                  f"{ev.get('cache_misses')}", gpu=gpu, **ev)
+            rc = proc.wait()
+        if rc != 0:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            runs.write_json(run_dir / "exit.json", {"exit_code": rc, "signal": None, "started": started,
+                                                    "ended": runs.utc_now(), "phase": "warmup"})
+            raise AgentFailure(
+                "WarmupFailed",
+                f"warm-up on GPU {gpu} failed with exit code {rc}: " + " | ".join(tail),
+                fix=f"read {log_path}; `dflashctl diagnose` it if it is a known crash",
+                data={"gpu": gpu, "log": str(log_path)},
+            )
+    runs.write_bytes(run_dir / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
+    return done
+
+
 def _script_bytes() -> bytes:
     data = pkgutil.get_data("orchestrator", f"templates/{SCRIPT_NAME}")
     if data is None:  # pragma: no cover - a broken bundle
@@ -223,8 +292,7 @@ def run(request: dict, emit) -> dict:
             emit.progress("layout", f"the trainer CLI takes no GPU layout yet: one process on GPUs {gpus}",
                           warning=True)
         if request.get("kind") == "dflash":
-            # The trainer's per-GPU warm-up is not part of the bundle yet; say so rather than pretend.
-            emit.progress("warmup", "warm-up skipped: the trainer has no warm-up entry point yet", skipped=True)
+            warm_up(request, run_dir, env, emit)
 
         s = tmuxctl.new_session(session, tmux_command, str(run_dir), run_id)
         emit.progress("tmux", f"session {session} started (pane pid {s['pane_pid']})", session=session)
