@@ -6,9 +6,11 @@ Request (built by orchestrator/ops/launch.py; names were checked on the workstat
    config: {...} (kind dflash: the resolved TrainConfig), layout: {...},
    venv_profile: {...}, lock_hash: str|null, bundle_hash: str|null, cli: str, created: iso,
    replace: bool, grace_s: float, release_timeout_s: float, dry_run: bool}
-Events: progress steps lock, session, stop, gpus, venv, rundir, warmup, tmux (each with a message).
-Result: {run_id, run_dir, session, command, gpus, replaced: run id | null, dry_run, plan: {...}}
-Refusals (AgentFailure types): LockHeld, SessionExists, GpuBusy, VenvMismatch, BadRequest.
+Events: progress steps lock, session, stop, gpus, venv, rundir, layout, warmup, tmux (each with a message).
+Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, dry_run,
+         env_fingerprint, bundle_hash, plan: {...} (dry run only)}
+Refusals (AgentFailure types): LockHeld, SessionExists, GpuBusy, VenvMismatch, BadRequest; a failed warm-up
+is WarmupFailed (its exit.json is written, no session is started).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def build_command(request: dict, run_dir: Path) -> tuple[list[str], dict[str, st
     """The argv the session runs and the extra environment it gets (on top of the agent's own).
 
     kind dflash: `<this python> -m trainer train --config <run>/config.json --output-dir <run>`; PYTHONPATH
-    stays the agent's (the bundle zip in a container, the source tree locally); an empty layout runs the
-    colocated CPU process, so no GPU is made visible. kind command: the experiment's argv with its env and
+    stays the agent's (the bundle zip in a container, the source tree locally); CUDA_VISIBLE_DEVICES is the
+    layout's GPUs (none for the colocated CPU layout). kind command: the experiment's argv with its env and
     CUDA_VISIBLE_DEVICES from its gpus.
     """
     kind = request.get("kind")
