@@ -169,10 +169,10 @@ class LayoutConfig(_Strict):
 class CompileConfig(_Strict):
     """torch.compile of the drafter's hot path, and where compiled artifacts persist."""
 
-    enabled: bool = True
-    """Compile: flex_attention on CUDA (always, it is the fast path); the whole drafter forward on CPU."""
-    cpu: bool = False
-    """Also compile on CPU (inductor + gcc): slow to compile, used by warm-up tests; off for the CPU demo."""
+    enabled: bool = False
+    """Compile the whole drafter forward with inductor, on any device. Off by default: on CUDA flex_attention
+    is compiled on its own regardless (uncompiled flex materialises every score); on CPU a gcc compile costs
+    more than it saves for tiny models. The CPU warm-up tests turn it on."""
     cache_dir: str | None = None
     """TORCHINDUCTOR_CACHE_DIR (persistent; /tmp may be wiped). None: the environment's, else torch's default."""
     recompile_limit: int = Field(8, ge=1)
