@@ -226,8 +226,11 @@ def build_tiny(
 def tiny_train_config(output_dir: str | Path, **overrides):
     """The `tiny` experiment: sizes chosen so a run finishes in about a minute on two CPU cores.
 
-    Block 8 (γ 4), 2 draft layers, 3 target features of the 6-layer target, rows of 128 tokens, 8 rows
-    per step, 16 anchors per row.
+    Target: the default TinyTargetConfig but with 1024 prompts (16 held out): with fewer, the drafter
+    memorises the training responses instead of learning the target (train-set simulated τ 3.9 vs
+    held-out 2.7 at 96 prompts). Drafter: block 8 (γ 4), 2 layers, 3 target features of the 6-layer
+    target, rows of 128 tokens, 8 rows and 32 anchors per row per step, 500 steps at lr 1e-3 (the
+    paper's 6e-4 is for ~1M-sample runs; 500 steps need a larger step).
 
     Args:
         output_dir: the run directory.
@@ -241,17 +244,20 @@ def tiny_train_config(output_dir: str | Path, **overrides):
     raw = {
         "model": {
             "target": "tiny",
+            "tiny_target": {"num_prompts": 1024, "held_out": 16},
             "block_size": 8,
             "num_draft_layers": 2,
             "num_target_features": 3,
             "attention_backend": "auto",
             "dtype": "float32",
         },
-        "data": {"max_len": 128, "token_budget": 1024, "max_batch_size": 8, "num_anchors": 16},
-        "epochs": 30,
+        "data": {"max_len": 128, "token_budget": 1024, "max_batch_size": 8, "num_anchors": 32},
+        "optim": {"lr": 1e-3},
+        "epochs": 100,
+        "max_steps": 500,
         "seed": 0,
         "output_dir": str(output_dir),
-        "log_every": 10,
+        "log_every": 25,
         "save_every": 100,
         "keep_checkpoints": 2,
     }
