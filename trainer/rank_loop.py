@@ -85,7 +85,8 @@ def anchor_generator(seed: int, batch_index: int) -> torch.Generator:
 def rank_memory(device: torch.device) -> dict[str, float]:
     """Memory of this process in MiB: allocated and peak on CUDA; on CPU both are the resident set."""
     m = memory_stats()
-    rss, peak_rss = m.get("rss_mb", 0.0), m.get("peak_rss_mb", 0.0)
+    rss = m.get("rss_mb", 0.0)
+    peak_rss = max(rss, m.get("peak_rss_mb", 0.0))  # two sources (statm, getrusage) can disagree by pages
     if device.type == "cuda":
         alloc, peak = torch.cuda.memory_allocated() / 2**20, torch.cuda.max_memory_allocated() / 2**20
     else:
