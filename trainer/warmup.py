@@ -63,7 +63,7 @@ def configure_compile(ccfg: CompileConfig, environ: dict[str, str] | None = None
     torch._dynamo.config.recompile_limit = ccfg.recompile_limit
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return cache_dir()
+    return env.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir()
 
 
 def compile_drafter(drafter: torch.nn.Module, ccfg: CompileConfig) -> bool:
