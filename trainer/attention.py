@@ -142,9 +142,15 @@ def block_mask(
     R, N = anchors.shape
     S = doc_ids.shape[1]
     mod = dflash_mask_mod(anchors, keep, doc_ids, block_size)
-    return create_block_mask(
-        mod, B=R, H=None, Q_LEN=N * block_size, KV_LEN=S + N * block_size, device=anchors.device, _compile=compile
-    )
+    if not compile:
+        return create_block_mask(mod, B=R, H=None, Q_LEN=N * block_size, KV_LEN=S + N * block_size, device=anchors.device)
+    from trainer.compile_guard import GUARD
+
+    # The compiled builder traces mask_mod: exclusive against compiled calls in other threads (§6.3).
+    with GUARD.tracing():
+        return create_block_mask(
+            mod, B=R, H=None, Q_LEN=N * block_size, KV_LEN=S + N * block_size, device=anchors.device, _compile=True
+        )
 
 
 def build_mask(
@@ -175,7 +181,11 @@ def _flex(q, k, v, mask, scale):
     fn = flex_attention
     if q.is_cuda:
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            from trainer.compile_guard import GUARD
+
+            # Behind the process-wide guard: the first call per shape compiles, and must not overlap an FX
+            # trace in another thread (remote-stack.md §6.3).
+            _compiled_flex = GUARD.compiled(torch.compile(flex_attention, dynamic=False))
         fn = _compiled_flex
     return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
