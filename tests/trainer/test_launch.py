@@ -166,3 +166,27 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path, env):
     proc = launch(["--resume", str(tmp_path / "empty"), "--config", str(cfg_path)], env, timeout=60)
     assert proc.returncode == 2
     assert "nothing to resume in" in proc.stderr and "launch without --resume" in proc.stderr
+
+
+def test_stopping_the_launcher_stops_every_rank(tmp_path, env):
+    cfg_path = write(tmp_path / "c.json", small_config(tmp_path / "run", SPLIT, max_steps=40, epochs=12))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--config", str(cfg_path)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    pids, lines = [], []
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.match(r"\[launch\] rank \d \(\w+\) pid (\d+)", line)
+        if m:
+            pids.append(int(m.group(1)))
+        if line.startswith("[rank 1] step 2/"):
+            break
+    assert len(pids) == 3 and proc.poll() is None, "".join(lines)[-3000:]
+    proc.send_signal(signal.SIGTERM)  # what a stop of the run does to the launcher
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "launcher got SIGTERM; stopping the other ranks" in rest
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
