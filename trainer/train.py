@@ -180,6 +180,14 @@ def _setup(cfg: TrainConfig, out: Path, device: torch.device, log: Callable[[str
         target_dir = Path(cfg.model.target)
         if not train_files:
             raise TrainError("data.train_files is empty; list jsonl conversation files (or use model.target: tiny)")
+    if not (target_dir / "config.json").is_file():
+        raise TrainError(
+            f"model.target {str(target_dir)!r}: no HF model directory there (no config.json); "
+            "point it at a local model directory (downloads are not done here) or use model.target: tiny"
+        )
+    for f in train_files:
+        if not Path(f).is_file():
+            raise DataError(f"{f}: no such data file (check data.train_files in the config)")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     target = TargetModel.from_pretrained(
