@@ -14,7 +14,7 @@ from typing import Any
 from orchestrator.errors import AgentError, PreflightError, UserError
 
 # Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
-REFUSALS = {"GpuBusy", "SessionExists", "VenvMismatch", "LockHeld"}
+REFUSALS = {"GpuBusy", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch", "NothingToResume"}
 DEFAULT_GRACE_S = 20.0
 DEFAULT_RELEASE_TIMEOUT_S = 120.0
 
@@ -93,13 +93,57 @@ def spec_from_inventory(inv, experiment: str, target: str | None = None, tag: st
     if exp.kind == "dflash":
         spec.layout = exp.layout.model_dump()
         spec.gpus = list(exp.layout.gpus)
-        spec.config = exp.trainer.model_dump(mode="json")
+        spec.config = trainer_config(experiment, exp)
     else:
         spec.command = list(exp.command)
         spec.env = dict(exp.env)
         spec.gpus = list(exp.gpus)
     spec.validate()
     return spec
+
+
+def trainer_config(name: str, exp) -> dict:
+    """The experiment's TrainConfig as a dict with the inventory's GPU layout written into its `layout`
+    section (what `python -m trainer.launch` reads); the trainer section's own layout keys (timeout_s,
+    prefetch, CPU process counts) are kept.
+
+    Raises:
+        UserError: the trainer section lists other GPUs than the experiment's `layout:`, or CPU process
+            counts beside GPUs, or the result is not a valid trainer config.
+    """
+    from trainer.config import ConfigError, parse_config
+
+    config = exp.trainer.model_dump(mode="json")
+    lay = dict(config.get("layout") or {})
+    for key in ("target_gpus", "drafter_gpus"):
+        want = list(getattr(exp.layout, key))
+        own = list(lay.get(key) or [])
+        if own and own != want:
+            raise UserError(
+                f"experiment {name}: trainer.layout.{key} {own} differs from layout.{key} {want}",
+                fix=f"list the GPUs once, in experiments.{name}.layout, and drop trainer.layout.{key}",
+            )
+        lay[key] = want
+    config["layout"] = lay
+    try:
+        parse_config(config, source=f"experiments.{name}.trainer")
+    except ConfigError as exc:
+        raise UserError(str(exc), fix=f"fix experiments.{name} (layout / trainer sections)") from None
+    return config
+
+
+def check_run_ref(value: str) -> str:
+    """A run id given on the command line (`--resume RUN`): safe as one path component.
+
+    Raises:
+        UserError: anything but A-Z a-z 0-9 . _ - (at most 160, no '..').
+    """
+    import re
+
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$", value or "") or ".." in value:
+        raise UserError(f"bad run id {value!r}: only A-Z a-z 0-9 . _ - allowed, no '..'",
+                        fix="copy the run id from `dflashctl status` or `dflashctl runs`")
+    return value
 
 
 def _expected_lock_hash(vspec) -> str | None:
@@ -130,6 +174,7 @@ class LaunchResult:
     dry_run: bool
     plan: dict | None = None
     record_path: str | None = None
+    resumed_from: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,6 +193,8 @@ def launch(
     record: bool = True,
     now: _dt.datetime | None = None,
     timeout: float | None = 3600,
+    resume: str | None = None,
+    warmup_device: str = "cuda",
 ) -> LaunchResult:
     """Launch `spec` on `target` in ONE agent call; append a workstation run record.
 
@@ -160,14 +207,20 @@ def launch(
         cli: the workstation command line, recorded in run.json.
         record: append to the workstation records (runs.jsonl).
         timeout: seconds for the whole agent call (warm-ups of several GPUs included).
+        resume: a run id of this experiment on this target: the new run continues it from its newest
+            complete checkpoint, with the old run's config (kind command: DFLASHCTL_RESUME_DIR is set).
+        warmup_device: `--device` of the GPU warm-ups ("cpu" only for tests on a GPU-less machine).
     Returns:
         LaunchResult.
     Raises:
-        UserError: unsafe names (before anything reaches the target).
-        PreflightError: refused (GpuBusy / SessionExists / VenvMismatch / LockHeld), naming what exactly.
+        UserError: unsafe names or run id (before anything reaches the target).
+        PreflightError: refused (GpuBusy / SessionExists / VenvMismatch / LockHeld / ResumeNotFound /
+            ResumeMismatch / NothingToResume), naming what exactly.
         AgentError, ConnectError, PctError: the target could not do it.
     """
     spec.validate()
+    if resume is not None:
+        check_run_ref(resume)
     from orchestrator.bundle import build_bundle
 
     created = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -192,6 +245,8 @@ def launch(
         "grace_s": grace_s,
         "release_timeout_s": release_timeout_s,
         "dry_run": dry_run,
+        "resume": resume,
+        "warmup_device": warmup_device,
     }
     try:
         data = target.agent("launch", request, on_event=on_event, timeout=timeout)
@@ -212,6 +267,7 @@ def launch(
         replaced=data.get("replaced"),
         dry_run=bool(data.get("dry_run")),
         plan=data.get("plan"),
+        resumed_from=data.get("resumed_from"),
     )
     if record and not result.dry_run:
         from orchestrator.records import append_record
@@ -222,14 +278,16 @@ def launch(
             "tag": spec.tag,
             "target": spec.target,
             "kind": spec.kind,
-            "config": spec.config if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
-            "gpus": spec.gpus,
+            # What actually ran: a resumed run uses the old run's config, and its layout's GPUs.
+            "config": (data.get("config") or spec.config) if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
+            "gpus": data.get("gpus") if data.get("gpus") is not None else spec.gpus,
             "gpus_seen": data.get("gpus_seen") or [],
             "env_fingerprint": data.get("env_fingerprint") or {},
             "bundle_hash": data.get("bundle_hash"),
             "run_dir": result.run_dir,
             "created": created,
             "replaced": result.replaced,
+            "resumed_from": result.resumed_from,
         })
         result.record_path = str(path)
     return result

@@ -76,11 +76,58 @@ def test_build_command_for_both_kinds(tmp_path):
                                "gpus": [5, 6, 7]}, run)
     assert argv == ["python", "train.py"]
     assert env["CUDA_VISIBLE_DEVICES"] == "5,6,7" and env["A"] == "1" and env["PYTHONUNBUFFERED"] == "1"
-    argv, env = build_command({"kind": "dflash", "gpus": []}, run)
-    assert argv == [sys.executable, "-m", "trainer", "train", "--config", str(run / "config.json"),
-                    "--output-dir", str(run)]
+    assert "DFLASHCTL_RESUME_DIR" not in env
+    _, env = build_command({"kind": "command", "command": ["x"]}, run, resume_dir=tmp_path / "runs" / "old")
+    assert env["DFLASHCTL_RESUME_DIR"] == str(tmp_path / "runs" / "old")
+
+    cfg = {"compile": {"cache_dir": "/w/inductor-cache"}}
+    argv, env = build_command({"kind": "dflash", "gpus": [], "config": cfg}, run)
+    assert argv == [sys.executable, "-m", "trainer.launch", "--config", str(run / "config.json")]
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # the colocated CPU layout sees no GPU
-    assert build_command({"kind": "dflash", "gpus": [5, 6]}, run)[1]["CUDA_VISIBLE_DEVICES"] == "5,6"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/w/inductor-cache"
+    argv, env = build_command({"kind": "dflash", "gpus": [0, 1, 5, 6]}, run, cfg, resume_dir=run)
+    assert argv[-4:] == ["--config", str(run / "config.json"), "--resume", str(run)]
+    # A GPU layout: trainer.launch gives every rank its own GPU; the launcher gets no GPU list at all.
+    assert "CUDA_VISIBLE_DEVICES" not in env and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_run_environment_drops_an_inherited_gpu_list_for_gpu_layouts(tmp_path):
+    from orchestrator.agent.verbs.launch import run_environment
+
+    base = {"CUDA_VISIBLE_DEVICES": "3", "TMUX": "/tmp/t,1,0", "HOME": "/root"}
+    req = {"kind": "dflash", "gpus": [0, 5]}
+    env = run_environment(base, build_command(req, tmp_path)[1], req)
+    assert "CUDA_VISIBLE_DEVICES" not in env and "TMUX" not in env and env["HOME"] == "/root"
+    req = {"kind": "dflash", "gpus": []}
+    assert run_environment(base, build_command(req, tmp_path)[1], req)["CUDA_VISIBLE_DEVICES"] == ""
+    req = {"kind": "command", "command": ["x"], "gpus": []}
+    assert run_environment(base, build_command(req, tmp_path)[1], req)["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_inventory_layout_is_written_into_the_trainer_config():
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.ops.launch import spec_from_inventory
+
+    inv = load_text_inventory()
+    spec = spec_from_inventory(inv, "exp-ddtree-expanded")
+    assert spec.config["layout"]["target_gpus"] == [0, 1, 2, 3, 4]
+    assert spec.config["layout"]["drafter_gpus"] == [5, 6, 7]
+    assert spec.config["layout"]["timeout_s"] == 900  # the trainer section's own layout keys stay
+    assert spec.gpus == [0, 1, 2, 3, 4, 5, 6, 7]
+    tiny = spec_from_inventory(inv, "tiny")
+    assert tiny.config["layout"]["target_gpus"] == [] and tiny.config["compile"]["cache_dir"] is None
+
+    text = Path(_embedded()).read_text().replace("      gamma: 10.0\n", "      gamma: 10.0\n      layout: {target_gpus: [0, 1, 2, 3, 4], drafter_gpus: [9]}\n")
+    with pytest.raises(UserError) as info:
+        spec_from_inventory(parse_inventory(text), "exp-ddtree-expanded")
+    assert "trainer.layout.drafter_gpus [9] differs from layout.drafter_gpus [5, 6, 7]" in info.value.message
+    assert "experiments.exp-ddtree-expanded.layout" in info.value.fix
+
+
+def load_text_inventory():
+    from orchestrator.inventory import load_inventory
+
+    return load_inventory(_embedded())
 
 
 @pytest.mark.parametrize("tag", HOSTILE_TAGS)
@@ -205,7 +252,11 @@ def test_dflash_launch_of_the_embedded_tiny_experiment_starts_the_real_trainer(t
     run = Path(res.run_dir)
     cfg = load_config(run / "config.json")  # the trainer's own loader accepts what launch wrote
     assert cfg.output_dir == str(run) and cfg.model.block_size == spec.config["model"]["block_size"]
-    assert res.command[1:4] == ["-m", "trainer", "train"]
+    assert res.command[1:] == ["-m", "trainer.launch", "--config", str(run / "config.json")]
+    # The persistent inductor cache of the target, unless the experiment names one.
+    assert cfg.compile.cache_dir == str(Path(t.workdir) / "inductor-cache") and Path(cfg.compile.cache_dir).is_dir()
+    env = dict(e.split("=", 1) for e in (run / "launch.env0").read_text().split("\0") if e)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == cfg.compile.cache_dir and env["CUDA_VISIBLE_DEVICES"] == ""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and "tiny target" not in (run / "train.log").read_text():
         time.sleep(0.2)

@@ -3,14 +3,17 @@
 Request (built by orchestrator/ops/launch.py; names were checked on the workstation and are checked again):
   {workdir, experiment, run_id, tag, target, kind: "dflash"|"command",
    command: [argv] (kind command), env: {K: V}, gpus: [int], gpu_idle_mib: int,
-   config: {...} (kind dflash: the resolved TrainConfig), layout: {...},
+   config: {...} (kind dflash: the resolved TrainConfig, layout section included), layout: {...},
+   resume: run id | null (continue that run of this experiment in a new run),
    venv_profile: {...}, lock_hash: str|null, bundle_hash: str|null, cli: str, created: iso,
-   replace: bool, grace_s: float, release_timeout_s: float, dry_run: bool}
-Events: progress steps lock, session, stop, gpus, venv, rundir, layout, warmup, tmux (each with a message).
-Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, dry_run,
-         env_fingerprint, bundle_hash, plan: {...} (dry run only)}
-Refusals (AgentFailure types): LockHeld, SessionExists, GpuBusy, VenvMismatch, BadRequest; a failed warm-up
-is WarmupFailed (its exit.json is written, no session is started).
+   replace: bool, grace_s: float, release_timeout_s: float, dry_run: bool, warmup_device: "cuda"|"cpu"}
+Events: progress steps lock, session, stop, resume, gpus, venv, rundir, layout, warmup, tmux (each with a
+message).
+Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, resumed_from, dry_run,
+         config (kind dflash: as written to config.json), env_fingerprint, bundle_hash, plan: {...} (dry run)}
+Refusals (AgentFailure types): LockHeld, SessionExists, GpuBusy, VenvMismatch, ResumeNotFound,
+ResumeMismatch, NothingToResume, BadRequest; a failed warm-up is WarmupFailed (its exit.json is written, no
+session is started).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import sys
 from pathlib import Path
 
 from orchestrator.agent import runs, tmuxctl
+from orchestrator.agent import resume
+from orchestrator.agent import warmup as warmups
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.verbs import stop as stopverb
+from orchestrator.agent.warmup import warmup_argv  # noqa: F401 - re-exported (tests, older callers)
 from orchestrator.transport.quoting import render
 
 SCRIPT_NAME = "start_training.sh"
@@ -49,23 +55,35 @@ def _check_env(env: dict) -> dict[str, str]:
     return env
 
 
-def build_command(request: dict, run_dir: Path) -> tuple[list[str], dict[str, str]]:
+def build_command(request: dict, run_dir: Path, config: dict | None = None,
+                  resume_dir: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv the session runs and the extra environment it gets (on top of the agent's own).
 
-    kind dflash: `<this python> -m trainer train --config <run>/config.json --output-dir <run>`; PYTHONPATH
-    stays the agent's (the bundle zip in a container, the source tree locally); CUDA_VISIBLE_DEVICES is the
-    layout's GPUs (none for the colocated CPU layout). kind command: the experiment's argv with its env and
-    CUDA_VISIBLE_DEVICES from its gpus.
+    kind dflash: `<this python> -m trainer.launch --config <run>/config.json [--resume <run>]`: one process
+    for the colocated CPU layout (which sees no GPU: CUDA_VISIBLE_DEVICES=""), else one process per GPU of
+    the layout, each given exactly its GPU by trainer.launch itself (see run_environment). PYTHONPATH stays
+    the agent's (the bundle zip in a container, the source tree locally); TORCHINDUCTOR_CACHE_DIR is the
+    config's compile.cache_dir. kind command: the experiment's argv with its env, CUDA_VISIBLE_DEVICES from
+    its gpus, and DFLASHCTL_RESUME_DIR=<old run dir> when resuming.
+
+    Args:
+        config: kind dflash: the resolved config (default: request["config"]).
+        resume_dir: the directory the run continues (dflash: the new, seeded run dir; command: the old one).
     """
     kind = request.get("kind")
     extra = {"PYTHONUNBUFFERED": "1", "DFLASHCTL_RUN_ID": run_dir.name, "DFLASHCTL_RUN_DIR": str(run_dir)}
     gpus = [int(g) for g in request.get("gpus") or []]
     if kind == "dflash":
-        argv = [sys.executable, "-m", "trainer", "train", "--config", str(run_dir / "config.json"),
-                "--output-dir", str(run_dir)]
-        # Empty layout: the colocated CPU process sees no GPU. A GPU layout: the trainer's CLI has no layout
-        # option yet, so it runs as one process; it must at least never touch GPUs outside the layout.
-        extra["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        argv = [sys.executable, "-m", "trainer.launch", "--config", str(run_dir / "config.json")]
+        if resume_dir is not None:
+            argv += ["--resume", str(resume_dir)]
+        if gpus:
+            extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the layout's indices are nvidia-smi's
+        else:
+            extra["CUDA_VISIBLE_DEVICES"] = ""  # the colocated CPU layout sees no GPU
+        cache = ((config if config is not None else request.get("config") or {}).get("compile") or {}).get("cache_dir")
+        if cache:
+            extra["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
         return argv, extra
     if kind == "command":
         argv = _need(request, "command", list)
@@ -74,8 +92,23 @@ def build_command(request: dict, run_dir: Path) -> tuple[list[str], dict[str, st
         env = _check_env(dict(request.get("env") or {}))
         if gpus:
             extra["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        if resume_dir is not None:
+            extra[resume.RESUME_ENV] = str(resume_dir)
         return list(argv), {**env, **extra}
     raise AgentFailure("BadRequest", f"launch request: unknown experiment kind {kind!r} (dflash or command)")
+
+
+def run_environment(base: dict[str, str], extra: dict[str, str], request: dict) -> dict[str, str]:
+    """The run's whole environment (pure): the agent's own, minus what must not leak, plus `extra`.
+
+    A dflash GPU layout drops any inherited CUDA_VISIBLE_DEVICES: the launcher uses no GPU, and each rank
+    gets exactly its own from trainer.launch (Layout.env), which always replaces the inherited value.
+    """
+    env = {k: v for k, v in base.items() if k not in _DROP_ENV}
+    if request.get("kind") == "dflash" and request.get("gpus"):
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(extra)
+    return env
 
 
 def _preflight_session(name: str, replace: bool) -> dict | None:
@@ -134,71 +167,60 @@ def _fingerprint(workdir: str, request: dict, emit) -> dict:
     return actual
 
 
-def warmup_argv(python: str, config: Path, device: str = "cuda") -> list[str]:
-    """The trainer's warm-up for one device: `python -m trainer.warmup --config FILE --device DEVICE`."""
-    return [python, "-m", "trainer.warmup", "--config", str(config), "--device", device]
+def warmup_targets(layout: dict, config: dict) -> tuple[list[int | None], str | None]:
+    """What launch warms up: each drafter GPU; a CPU split layout with compile on: the CPU once.
+
+    Returns:
+        (targets, None) or ([], the reason it is skipped). The colocated loop compiles nothing ahead.
+    """
+    drafters = [int(g) for g in (layout or {}).get("drafter_gpus") or []]
+    if drafters:
+        return drafters, None
+    lay = config.get("layout") or {}
+    if lay.get("num_drafter_procs") and (config.get("compile") or {}).get("enabled"):
+        return [None], None
+    return [], "no drafter GPUs and nothing compiled ahead on the CPU (compile.enabled is off, or colocated)"
 
 
 def warm_up(request: dict, run_dir: Path, env: dict[str, str], emit, device: str = "cuda") -> list[dict]:
     """Compile the training shapes on each drafter GPU, one process per GPU, one GPU after the other (never
     two compiles racing in one interpreter), so training starts from a warm cache. Streams one progress event
-    per shape and per GPU; the warm-up's stderr goes to runs/<id>/warmup.log.
+    per shape and per GPU (orchestrator.agent.warmup, shared with the `warmup` verb); the warm-ups' stderr
+    goes to runs/<id>/warmup.log, the summaries to runs/<id>/warmup.json.
 
     Returns:
         The `warmup_done` summaries, one per GPU.
     Raises:
         AgentFailure("WarmupFailed"): a warm-up exited non-zero; exit.json records it (phase "warmup").
     """
-    if importlib.util.find_spec("trainer.warmup") is None:
+    if not warmups.available():
         emit.progress("warmup", "warm-up skipped: this bundle's trainer has no warm-up module", skipped=True)
         return []
-    drafters = [int(g) for g in (request.get("layout") or {}).get("drafter_gpus") or []]
-    if not drafters:
-        emit.progress("warmup", "warm-up skipped: no drafter GPUs (colocated CPU layout)", skipped=True)
+    config = runs.read_json(run_dir / "config.json") or {}
+    targets, why = warmup_targets(request.get("layout") or {}, config)
+    if not targets:
+        emit.progress("warmup", f"warm-up skipped: {why}", skipped=True)
         return []
     import json
-    import subprocess
-    import time
 
-    done = []
-    log_path = run_dir / "warmup.log"
-    for gpu in drafters:
-        started = runs.utc_now()
-        t0 = time.monotonic()
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                warmup_argv(sys.executable, run_dir / "config.json", device), stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=log, cwd=str(run_dir),
-                env={**env, "CUDA_VISIBLE_DEVICES": str(gpu)},  # the process sees its GPU as cuda:0
-            )
-            for raw in proc.stdout:
+    cache = (config.get("compile") or {}).get("cache_dir")
+    try:
+        done = warmups.run_warmups(run_dir / "config.json", targets, env, emit, run_dir / "warmup.log",
+                                   device=device, cwd=run_dir, cache_dir=cache)
+    except AgentFailure as exc:
+        if exc.type == "WarmupFailed":
+            rc, sig = int(exc.data.get("exit_code", 1)), None
+            if rc < 0:  # killed by a signal: record it the way start_training.sh does (128 + N, SIGNAME)
+                import signal as _signal
+
                 try:
-                    ev = json.loads(raw)
+                    sig = _signal.Signals(-rc).name
                 except ValueError:
-                    continue
-                if not isinstance(ev, dict):
-                    continue
-                kind = ev.pop("event", "")
-                if kind == "warmup_shape":
-                    emit.progress("warmup", f"GPU {gpu}: shape {ev.get('shape')} compiled in {ev.get('compile_s')} s "
-                                  f"(fx cache hit {ev.get('fxgraph_cache_hit')}, miss {ev.get('fxgraph_cache_miss')})",
-                                  gpu=gpu, **ev)
-                elif kind == "warmup_done":
-                    done.append({"gpu": gpu, **ev})
-                    emit.progress("warmup", f"GPU {gpu}: warm in {time.monotonic() - t0:.1f} s, compile "
-                                  f"{ev.get('compile_s')} s, cache hits {ev.get('cache_hits')} / misses "
-                                  f"{ev.get('cache_misses')}", gpu=gpu, **ev)
-            rc = proc.wait()
-        if rc != 0:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            runs.write_json(run_dir / "exit.json", {"exit_code": rc, "signal": None, "started": started,
+                    sig = None
+                rc = 128 - rc
+            runs.write_json(run_dir / "exit.json", {"exit_code": rc, "signal": sig, "started": exc.data.get("started"),
                                                     "ended": runs.utc_now(), "phase": "warmup"})
-            raise AgentFailure(
-                "WarmupFailed",
-                f"warm-up on GPU {gpu} failed with exit code {rc}: " + " | ".join(tail),
-                fix=f"read {log_path}; `dflashctl diagnose` it if it is a known crash",
-                data={"gpu": gpu, "log": str(log_path)},
-            )
+        raise
     runs.write_bytes(run_dir / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
     return done
 
@@ -214,19 +236,54 @@ def _env_blob(env: dict[str, str]) -> bytes:
     return b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
 
 
+def _resume_source(workdir: str, request: dict, emit) -> resume.ResumeSource | None:
+    """The run to continue (checked), or None; announces what the new run starts from."""
+    rid = request.get("resume")
+    if not rid:
+        return None
+    src = resume.find_source(workdir, str(rid), request["experiment"], str(request.get("kind")))
+    if src.step is not None:
+        emit.progress("resume", f"continuing run {src.run_id} from its checkpoint at step {src.step}",
+                      resumed_from=src.run_id, step=src.step)
+    else:
+        emit.progress("resume", f"continuing run {src.run_id} ({resume.RESUME_ENV}={src.run_dir})",
+                      resumed_from=src.run_id)
+    return src
+
+
+def _run_gpus(request: dict, src: resume.ResumeSource | None, emit) -> list[int]:
+    """The GPUs the run occupies: the experiment's, or for a resumed dflash run its old config's layout (the
+    trainer refuses another number of drafters, and those are the GPUs the copied config names)."""
+    gpus = [int(g) for g in request.get("gpus") or []]
+    if src is not None and src.config is not None:
+        old = resume.layout_gpus(src.config)
+        if old != gpus:
+            emit.progress("resume", f"the resumed config's layout uses GPUs {old} (the inventory now says {gpus})")
+        gpus = old
+    return gpus
+
+
+def _run_config(request: dict, workdir: str, run_dir: Path, src: resume.ResumeSource | None) -> dict:
+    """kind dflash: the config written to runs/<id>/config.json (the old run's when resuming), writing into
+    run_dir, with compile.cache_dir defaulting to the target's persistent cache."""
+    config = resume.resumed_config(src, run_dir) if src is not None else {**(request.get("config") or {}),
+                                                                         "output_dir": str(run_dir)}
+    return warmups.resolve_compile(config, workdir)
+
+
 def run(request: dict, emit) -> dict:
     workdir = _need(request, "workdir", str)
     experiment = _need(request, "experiment", str)
     run_id = runs.check_run_id(_need(request, "run_id", str))
     runs.check_run_id(experiment)
     session = tmuxctl.session_name(experiment)
-    gpus = [int(g) for g in request.get("gpus") or []]
     threshold = int(request.get("gpu_idle_mib", 1024))
     replace = bool(request.get("replace"))
     dry_run = bool(request.get("dry_run"))
+    dflash = request.get("kind") == "dflash"
 
     if dry_run:
-        return _plan(request, workdir, run_id, session, gpus, threshold, replace, emit)
+        return _plan(request, workdir, run_id, session, threshold, replace, emit)
 
     lock = runs.LaunchLock(workdir)
     lock.acquire({"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id, "experiment": experiment,
@@ -245,24 +302,32 @@ def run(request: dict, emit) -> dict:
                 stopverb.stop_run(workdir, replaced, float(request.get("grace_s", stopverb.DEFAULT_GRACE_S)), emit)
             else:  # a session we did not start (no run id): end it the blunt way
                 tmuxctl.kill_session(session)
-            if gpus:
-                stopverb.wait_gpus_idle(gpus, threshold, float(request.get("release_timeout_s", 120)), emit)
+            if request.get("gpus"):
+                stopverb.wait_gpus_idle([int(g) for g in request["gpus"]], threshold,
+                                        float(request.get("release_timeout_s", 120)), emit)
         else:
             emit.progress("session", f"no live session {session}")
 
+        # After a --replace stop, so `--replace --resume <the live run>` continues from its final checkpoint.
+        src = _resume_source(workdir, request, emit)
+        gpus = _run_gpus(request, src, emit)
         seen = _preflight_gpus(gpus, threshold)
         if gpus:
             emit.progress("gpus", f"GPUs {gpus} idle (under {threshold} MiB)")
         fingerprint = _fingerprint(workdir, request, emit)
 
         run_id, run_dir = runs.create_run_dir(workdir, run_id)
-        argv, extra = build_command(request, run_dir)
-        env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
-        env.update(extra)
-        if request.get("kind") == "dflash":
-            config = dict(request.get("config") or {})
-            config["output_dir"] = str(run_dir)
+        request = {**request, "gpus": gpus}
+        config = None
+        if dflash:
+            config = _run_config(request, workdir, run_dir, src)
+            if src is not None:
+                seeded = resume.seed(src, run_dir)
+                emit.progress("resume", f"seeded {run_dir.name} from {src.run_id}: {', '.join(seeded)}")
             runs.write_json(run_dir / "config.json", config)
+        resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
+        argv, extra = build_command(request, run_dir, config, resume_dir)
+        env = run_environment(dict(os.environ), extra, request)
         script = run_dir / SCRIPT_NAME
         runs.write_bytes(script, _script_bytes(), 0o755)
         # The environment travels in a file only the owner reads: values never reach a command line.
@@ -283,18 +348,19 @@ def run(request: dict, emit) -> dict:
             "cli": request.get("cli"),
             "gpus": gpus,
             "gpus_seen": seen,
-            "layout": request.get("layout"),
+            "layout": (config or {}).get("layout") if dflash else request.get("layout"),
             "env_keys": sorted(extra),
             "replaced": replaced,
+            "resumed_from": None if src is None else src.run_id,
+            "resumed_step": None if src is None else src.step,
         }
         runs.write_json(run_dir / "run.json", info)
         emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
 
-        if request.get("kind") == "dflash" and gpus:
-            emit.progress("layout", f"the trainer CLI takes no GPU layout yet: one process on GPUs {gpus}",
-                          warning=True)
-        if request.get("kind") == "dflash":
-            warm_up(request, run_dir, env, emit)
+        if dflash:
+            emit.progress("layout", _describe_layout(gpus, (config or {}).get("layout") or {}))
+            warm_up({**request, "layout": (config or {}).get("layout") or {}}, run_dir, env, emit,
+                    device=str(request.get("warmup_device") or "cuda"))
 
         s = tmuxctl.new_session(session, tmux_command, str(run_dir), run_id)
         emit.progress("tmux", f"session {session} started (pane pid {s['pane_pid']})", session=session)
@@ -305,6 +371,8 @@ def run(request: dict, emit) -> dict:
             "command": argv,
             "gpus": gpus,
             "replaced": replaced,
+            "resumed_from": info["resumed_from"],
+            "config": config,
             "dry_run": False,
             "env_fingerprint": fingerprint,
             "bundle_hash": info["bundle_hash"],
@@ -314,7 +382,17 @@ def run(request: dict, emit) -> dict:
         lock.release()
 
 
-def _plan(request, workdir, run_id, session, gpus, threshold, replace, emit) -> dict:
+def _describe_layout(gpus: list[int], layout: dict) -> str:
+    t, d = layout.get("target_gpus") or [], layout.get("drafter_gpus") or []
+    if t or d:
+        return f"{len(t)} target process(es) on GPUs {t}, {len(d)} drafter process(es) on GPUs {d}: one process per GPU"
+    if layout.get("num_target_procs"):
+        return (f"{layout['num_target_procs']} target + {layout.get('num_drafter_procs')} drafter process(es) "
+                "on the CPU (gloo)")
+    return "colocated: target and drafter in one CPU process"
+
+
+def _plan(request, workdir, run_id, session, threshold, replace, emit) -> dict:
     """--dry-run: the same checks, read-only; what would be stopped, written and started."""
     old = tmuxctl.find_session(session)
     would_stop = None
@@ -324,11 +402,22 @@ def _plan(request, workdir, run_id, session, gpus, threshold, replace, emit) -> 
         would_stop = old.get("run_id") or session
     elif old is not None:
         emit.progress("session", f"would clear the finished session {session}")
+    src = _resume_source(workdir, request, emit)
+    gpus = _run_gpus(request, src, emit)
     if would_stop is None:
         _preflight_gpus(gpus, threshold)
     fingerprint = _fingerprint(workdir, request, emit)
     run_dir = runs.runs_root(workdir) / run_id
-    argv, extra = build_command(request, run_dir)
+    request = {**request, "gpus": gpus}
+    dflash = request.get("kind") == "dflash"
+    config = None
+    if dflash:  # the same resolution as the real launch, without creating the cache directory
+        config = resume.resumed_config(src, run_dir) if src is not None else dict(request.get("config") or {})
+        comp = dict(config.get("compile") or {})
+        comp["cache_dir"] = comp.get("cache_dir") or str(warmups.default_cache_dir(workdir))
+        config["compile"] = comp
+    resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
+    argv, extra = build_command(request, run_dir, config, resume_dir)
     script = run_dir / SCRIPT_NAME
     return {
         "run_id": run_id,
@@ -337,14 +426,17 @@ def _plan(request, workdir, run_id, session, gpus, threshold, replace, emit) -> 
         "command": argv,
         "gpus": gpus,
         "replaced": would_stop,
+        "resumed_from": None if src is None else src.run_id,
         "dry_run": True,
         "env_fingerprint": fingerprint,
         "bundle_hash": request.get("bundle_hash"),
         "plan": {
             "would_stop": would_stop,
+            "resume": None if src is None else {"run_id": src.run_id, "step": src.step},
             "files": [str(run_dir / n) for n in ("run.json", "config.json", SCRIPT_NAME, ENV_FILE)
-                      if n != "config.json" or request.get("kind") == "dflash"],
-            "env": {k: v for k, v in extra.items() if k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED")},
+                      if n != "config.json" or dflash],
+            "env": {k: v for k, v in extra.items()
+                    if k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR", resume.RESUME_ENV)},
             "env_keys": sorted({*extra, *(request.get("env") or {})}),
             "tmux": ["tmux", "new-session", "-d", "-s", session, render(["bash", str(script), str(run_dir), "--", *argv])],
             "gpu_idle_mib": threshold,
