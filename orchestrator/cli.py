@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "orchestrator.commands.launch",
     "orchestrator.commands.logs",
     "orchestrator.commands.metrics",
+    "orchestrator.commands.warmup",
 ]
 
 app = typer.Typer(

@@ -42,6 +42,8 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the plan; change nothing."),
         grace: float = typer.Option(20.0, "--grace", help="Seconds between SIGINT, SIGTERM and SIGKILL for --replace."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        resume: str = typer.Option(None, "--resume", metavar="RUN",
+                                   help="Continue this run of the experiment from its last complete checkpoint (a new run)."),
     ) -> None:
         """Preflight (GPUs idle, no live session, venv = lock), write runs/<id>/, start it in tmux."""
         from orchestrator.ops.launch import launch, spec_from_inventory
@@ -52,7 +54,7 @@ def register(app: typer.Typer) -> None:
         spec = spec_from_inventory(inv, experiment, target, tag)  # names checked before any connection
         tgt = open_target(inv, spec.target)
         try:
-            result = launch(tgt, spec, replace=replace, dry_run=dry_run, grace_s=grace,
+            result = launch(tgt, spec, replace=replace, dry_run=dry_run, grace_s=grace, resume=resume,
                             on_event=EventPrinter(quiet=as_json), cli=shlex.join(["dflashctl", *sys.argv[1:]]))
         finally:
             tgt.close()
@@ -69,11 +71,14 @@ def register(app: typer.Typer) -> None:
                 out.print(f"  command:  {shlex.join(result.command)}")
                 out.print(f"  tmux:     {shlex.join(plan.get('tmux') or [])}")
                 out.print(f"  files:    {', '.join(plan.get('files') or [])}")
+                if result.resumed_from:
+                    out.print(f"  resumes:  {result.resumed_from} (from step {(plan.get('resume') or {}).get('step')})")
                 if plan.get("would_stop"):
                     out.print(f"  replaces: {plan['would_stop']} (SIGINT, then SIGTERM/SIGKILL after {grace:.0f} s)")
             else:
                 out.print(f"[green]launched[/] {result.run_id} in tmux session {result.session} on {result.target}"
-                          + (f" (replaced {result.replaced})" if result.replaced else ""))
+                          + (f" (replaced {result.replaced})" if result.replaced else "")
+                          + (f" (continues {result.resumed_from})" if result.resumed_from else ""))
                 out.print(f"  follow: dflashctl logs {result.run_id} --follow    attach: dflashctl attach {result.run_id}")
         if follow and not dry_run:
             raise typer.Exit(_follow(inv, result.run_id, result.target))

@@ -1,0 +1,65 @@
+"""`warmup`: compile an experiment's training shapes on every drafter GPU, in ONE agent call.
+
+Request (built by orchestrator/ops/warmup.py):
+  {workdir, experiment, config: {...} (the resolved TrainConfig, layout included), layout: {target_gpus,
+   drafter_gpus}, gpu_idle_mib: int, device: "cuda"|"cpu" (GPU warm-ups; "cpu" only for tests)}
+Events: progress steps lock, gpus, warmup (one per shape and one per device, with gpu, compile_s,
+cache_hits, cache_misses, wall_s).
+Result: {experiment, dir, config, cache_dir, warmups: [{gpu, device, compile_s, cache_hits, cache_misses,
+         wall_s, ...}]}
+Refusals: LockHeld (a launch or warm-up is in progress), GpuBusy (a drafter GPU is in use); a failed warm-up
+is WarmupFailed. The files live in `<workdir>/warmup/<experiment>/`: config.json, warmup.log, warmup.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+from orchestrator.agent import runs
+from orchestrator.agent import warmup as warmups
+from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.verbs.launch import _need, _preflight_gpus
+
+_DROP_ENV = ("TMUX", "TMUX_PANE", "CUDA_VISIBLE_DEVICES")
+
+
+def run(request: dict, emit) -> dict:
+    workdir = _need(request, "workdir", str)
+    experiment = runs.check_run_id(_need(request, "experiment", str))
+    config = _need(request, "config", dict)
+    layout = request.get("layout") or config.get("layout") or {}
+    drafters = [int(g) for g in layout.get("drafter_gpus") or []]
+    targets: list[int | None] = list(drafters) or [None]  # a CPU layout: one warm-up on the CPU
+    if not warmups.available():
+        raise AgentFailure("BundleBroken", "this bundle's trainer has no warm-up module (trainer.warmup)",
+                           fix="dflashctl rebuild-venv (refreshes the bundle)")
+
+    # The launch lock: a warm-up must not compile on GPUs a launch is about to hand to a run (or race
+    # another warm-up writing the same cache entries).
+    lock = runs.LaunchLock(workdir)
+    lock.acquire({"pid": os.getpid(), "host": socket.gethostname(), "run_id": f"warmup of {experiment}",
+                  "experiment": experiment, "since": runs.utc_now()})
+    emit.progress("lock", f"holding {lock.path}")
+    try:
+        threshold = int(request.get("gpu_idle_mib", 1024))
+        if drafters:
+            _preflight_gpus(drafters, threshold)
+            emit.progress("gpus", f"drafter GPUs {drafters} idle (under {threshold} MiB)")
+        out = Path(workdir) / "warmup" / experiment
+        out.mkdir(parents=True, exist_ok=True)
+        config = warmups.resolve_compile({**config, "output_dir": str(out)}, workdir)
+        runs.write_json(out / "config.json", config)
+        log_path = out / "warmup.log"
+        log_path.write_bytes(b"")  # this warm-up's log only: the previous one is of no use after it
+        cache = config["compile"]["cache_dir"]
+        base = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
+        done = warmups.run_warmups(out / "config.json", targets, base, emit, log_path,
+                                   device=str(request.get("device") or "cuda"), cwd=out, cache_dir=cache)
+        runs.write_bytes(out / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
+        return {"experiment": experiment, "dir": str(out), "config": str(out / "config.json"),
+                "cache_dir": cache, "warmups": done}
+    finally:
+        lock.release()

@@ -1,0 +1,134 @@
+"""warmup: one agent call that runs `python -m trainer.warmup` once per drafter GPU, one after another,
+streaming compile seconds and cache hits; on the fake Proxmox host (one pct exec, busy GPUs refused) and
+for real with inductor on the local target (the second warm-up loads from <workdir>/inductor-cache)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent.warmup import warmup_env
+from orchestrator.errors import PreflightError, UserError
+from orchestrator.ops.launch import LaunchSpec
+from orchestrator.ops.warmup import warmup
+from orchestrator.target import ContainerTarget, LocalTarget
+from orchestrator.transport.local import LocalTransport
+
+
+def shape_target(directory: Path) -> Path:
+    """A target model directory with only config.json: the warm-up compiles shapes, it needs no weights."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16).save_pretrained(directory)
+    return directory
+
+
+def dflash_spec(model_dir: Path, *, layout: dict, compile_on: bool, target: str = "local") -> LaunchSpec:
+    from trainer.config import parse_config
+
+    config = parse_config({
+        "model": {"target": str(model_dir), "block_size": 4, "num_draft_layers": 1, "num_target_features": 1},
+        "data": {"max_len": 32, "token_budget": 64, "max_batch_size": 2, "num_anchors": 4},
+        "compile": {"enabled": compile_on},
+        "layout": layout,
+    }).model_dump(mode="json")
+    gpus = [*layout.get("target_gpus", []), *layout.get("drafter_gpus", [])]
+    return LaunchSpec(experiment="wu", kind="dflash", target=target, config=config, layout=layout, gpus=gpus,
+                      venv_profile={"kind": "workstation"})
+
+
+def test_warmup_env_is_one_gpu_or_none_and_the_persistent_cache():
+    base = {"CUDA_VISIBLE_DEVICES": "0,1,2", "HOME": "/root"}
+    env = warmup_env(base, 6, "/w/inductor-cache")
+    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("6", "PCI_BUS_ID")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/w/inductor-cache" and env["HOME"] == "/root"
+    assert warmup_env(base, None, None)["CUDA_VISIBLE_DEVICES"] == "" and base["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+
+
+def test_warmup_refuses_a_command_experiment_before_contacting_the_target():
+    class Refuse:
+        name = "refuse"
+
+        def agent(self, *a, **k):  # pragma: no cover - reaching it is the failure
+            raise AssertionError("the target was contacted")
+
+    spec = LaunchSpec(experiment="c", kind="command", target="local", command=["true"])
+    with pytest.raises(UserError, match="only kind dflash"):
+        warmup(Refuse(), spec)
+
+
+def make_ct(fake_pve, ctid: int):
+    ct = fake_pve.create_container(ctid, gpus=8)
+    venv = Path(ct.workdir) / "venvs" / "L1-0"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (Path(ct.workdir) / "venvs" / "current").symlink_to(venv.name)
+    return ct
+
+
+def test_container_warmup_is_one_pct_exec_one_process_per_drafter_gpu_in_order(pve):
+    ct = make_ct(pve, 311)
+    try:
+        model = shape_target(Path(ct.workdir) / "model")
+        # compile off and device cpu: this box has no GPU; the processes, their order and events are real.
+        spec = dflash_spec(model, layout={"target_gpus": [4], "drafter_gpus": [5, 6]}, compile_on=False, target="ct")
+        t = ContainerTarget(name="ct311", workdir=ct.workdir, transport=pve.pct_transport(311))
+        t.agent("echo")  # the first call pushes the bundle; from then on a warm-up is one exec
+        pve.clear_pct_calls()
+        events: list[dict] = []
+        res = warmup(t, spec, on_event=events.append, device="cpu")
+        assert len(pve.pct_exec_calls(311)) == 1
+
+        assert [w["gpu"] for w in res.warmups] == [5, 6] and all(w["device"] == "cpu" for w in res.warmups)
+        done = [e for e in events if e.get("step") == "warmup" and "warm in" in e.get("message", "")]
+        assert [e["gpu"] for e in done] == [5, 6]
+        for e in done:
+            assert {"compile_s", "cache_hits", "cache_misses", "wall_s"} <= set(e)
+            assert f"GPU {e['gpu']}: warm in" in e["message"] and "cache hits" in e["message"]
+        # One after the other: GPU 6 starts only after GPU 5 reported done.
+        order = [(e["gpu"], "start" if "compiling" in e["message"] else "done")
+                 for e in events if e.get("step") == "warmup" and ("compiling" in e["message"] or "warm in" in e["message"])]
+        assert order == [(5, "start"), (5, "done"), (6, "start"), (6, "done")]
+        assert res.cache_dir == str(Path(ct.workdir) / "inductor-cache") and Path(res.cache_dir).is_dir()
+        written = json.loads((Path(res.dir) / "config.json").read_text())
+        assert written["compile"]["cache_dir"] == res.cache_dir and written["layout"]["drafter_gpus"] == [5, 6]
+        assert json.loads((Path(res.dir) / "warmup.json").read_text()) == res.warmups
+
+        # A drafter GPU in use: refused, naming it, and no warm-up process runs.
+        ct.set_gpu_used(6, 20000)
+        with pytest.raises(PreflightError) as info:
+            warmup(t, spec, device="cpu")
+        assert info.value.agent_type == "GpuBusy" and "GPU 6 uses 20000 MiB" in info.value.message
+        t.close()
+    finally:
+        pve.remove_container(311)
+
+
+@pytest.mark.slow
+def test_local_cpu_warmup_compiles_then_loads_from_the_workdir_cache(tmp_path):
+    wd = tmp_path / "work"
+    wd.mkdir()
+    t = LocalTarget(name="local", workdir=str(wd), transport=LocalTransport())
+    spec = dflash_spec(shape_target(tmp_path / "model"), layout={}, compile_on=True)
+    runs = []
+    for _ in range(2):
+        events: list[dict] = []
+        runs.append((warmup(t, spec, on_event=events.append), events))
+    (cold, cold_ev), (warm, warm_ev) = runs
+    cache = wd / "inductor-cache"
+    for res, events in runs:
+        assert [w["gpu"] for w in res.warmups] == [None]  # a CPU layout: one warm-up, on the CPU
+        assert res.warmups[0]["device"] == "cpu" and res.warmups[0]["cache_dir"] == str(cache)
+        assert res.warmups[0]["compiled"]["drafter_forward"] is True
+        shapes = [e for e in events if e.get("step") == "warmup" and "shape" in e]
+        assert len(shapes) == 1 and shapes[0]["shape"] == {"rows": 2, "row_len": 32, "num_anchors": 4}
+    c, w = cold.warmups[0], warm.warmups[0]
+    assert c["cache_misses"] > 0 and c["cache_hits"] == 0
+    assert w["cache_hits"] > 0 and w["cache_misses"] == 0
+    assert w["compile_s"] < c["compile_s"]
+    assert (cache / "fxgraph").is_dir()
+    assert "CPU: warm in" in next(e["message"] for e in cold_ev if "warm in" in e.get("message", ""))
