@@ -448,3 +448,100 @@ def test_container_concurrent_launches_one_wins_and_replace_waits_for_gpus(fake_
         assert any(e.get("step") == "gpus" and "waiting" in e.get("message", "") for e in events)
     finally:
         fake_pve.remove_container(305)
+
+
+# ------------------------------------------------------------------------------------------- --resume
+
+
+def _train_rows(run: Path) -> list[dict]:
+    from trainer.metrics import read_metrics
+
+    return [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
+
+
+@pytest.mark.slow  # ~40 s: two tiny trainer runs (most of it imports and the τ evaluations)
+def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path):
+    """The tiny trainer, shrunk to 6 steps with a checkpoint every 2: run A ends; its newest checkpoint is
+    removed (as if A died between the step-4 save and the end); B = `--resume A` is a new run that starts
+    at step 4 with A's config and trains steps 5-6 exactly as A did."""
+    import shutil
+
+    from orchestrator.inventory import load_inventory
+    from orchestrator.ops.launch import spec_from_inventory
+
+    inv = load_inventory(_embedded())
+    spec = spec_from_inventory(inv, "tiny", tag="a")
+    spec.config.update(max_steps=6, save_every=2, log_every=1, keep_checkpoints=2)
+    t = local(tmp_path)
+    a = launch(t, spec)
+    assert wait_exit(a.run_dir, 240)["exit_code"] == 0, (Path(a.run_dir) / "train.log").read_text()[-3000:]
+    a_dir = Path(a.run_dir)
+    assert sorted(p.name for p in (a_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
+    shutil.rmtree(a_dir / "checkpoints" / "step_00000006")
+
+    # The inventory's config now says something else: the resumed run must use A's.
+    other = spec_from_inventory(inv, "tiny", tag="b")
+    events: list[dict] = []
+    b = launch(t, other, resume=a.run_id, on_event=events.append)
+    b_dir = Path(b.run_dir)
+    assert b.run_id != a.run_id and b.resumed_from == a.run_id
+    assert b.command[1:] == ["-m", "trainer.launch", "--config", str(b_dir / "config.json"), "--resume", str(b_dir)]
+    assert any(e.get("step") == "resume" and "step 4" in e.get("message", "") for e in events)
+    info = json.loads((b_dir / "run.json").read_text())
+    assert (info["resumed_from"], info["resumed_step"]) == (a.run_id, 4)
+    cfg_a, cfg_b = (json.loads((d / "config.json").read_text()) for d in (a_dir, b_dir))
+    assert cfg_b == {**cfg_a, "output_dir": str(b_dir)}
+    assert load_records()[-1]["resumed_from"] == a.run_id and load_records()[-1]["config"]["max_steps"] == 6
+    assert wait_exit(b.run_dir, 240)["exit_code"] == 0, (b_dir / "train.log").read_text()[-3000:]
+
+    log = (b_dir / "train.log").read_text()
+    assert "resumed from step 4" in log
+    rows_a, rows_b = _train_rows(a_dir), _train_rows(b_dir)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]  # the history up to 4 carried over, 5-6 new
+    for ra, rb in zip(rows_a, rows_b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), (ra["step"], ra["loss"], rb["loss"])
+    assert (b_dir / "checkpoints" / "step_00000006" / "meta.json").exists()
+    # The old run is untouched: its metrics were copied, not linked, and it did not get B's checkpoint.
+    assert _train_rows(a_dir) == rows_a and not (a_dir / "checkpoints" / "step_00000006").exists()
+    states = {r["run_id"]: r["state"] for r in status(t).runs}
+    assert states == {a.run_id: "succeeded", b.run_id: "succeeded"}
+
+
+def test_resume_refusals_name_the_run_and_the_fix(tmp_path):
+    from orchestrator.ops.launch import LaunchSpec
+
+    t = local(tmp_path)
+    ok = launch(t, cmd_spec("rc", ["true"]))
+    wait_exit(ok.run_dir)
+    tiny = LaunchSpec(experiment="rc", kind="dflash", target="local", config={}, layout={},
+                      venv_profile={"kind": "workstation"})
+    with pytest.raises(PreflightError) as info:
+        launch(t, cmd_spec("other", ["true"]), resume=ok.run_id)
+    assert info.value.agent_type == "ResumeMismatch" and "belongs to experiment 'rc'" in info.value.message
+    assert f"dflashctl launch rc --resume {ok.run_id}" in info.value.fix
+    with pytest.raises(PreflightError) as info:
+        launch(t, cmd_spec("rc", ["true"]), resume="rc-19990101T000000Z")
+    assert info.value.agent_type == "ResumeNotFound"
+    # A dflash run without a checkpoint (here: run.json says dflash, nothing was saved).
+    dead = Path(t.workdir) / "runs" / "rc-dflash"
+    dead.mkdir()
+    (dead / "run.json").write_text(json.dumps({"experiment": "rc", "kind": "dflash"}))
+    (dead / "config.json").write_text(json.dumps({"save_every": 200}))
+    with pytest.raises(PreflightError) as info:
+        launch(t, tiny, resume="rc-dflash")
+    assert info.value.agent_type == "NothingToResume" and "no complete checkpoint" in info.value.message
+    assert "save_every is 200" in info.value.message and "without --resume" in info.value.fix
+    with pytest.raises(UserError):
+        launch(t, cmd_spec("rc", ["true"]), resume="../x")
+    assert sorted(p.name for p in (Path(t.workdir) / "runs").iterdir()) == [ok.run_id, "rc-dflash"]
+
+
+def test_resume_of_a_command_run_passes_the_old_run_dir(tmp_path):
+    t = local(tmp_path)
+    first = launch(t, cmd_spec("cr", ["true"]))
+    wait_exit(first.run_dir)
+    second = launch(t, cmd_spec("cr", ["bash", "-c", 'echo "from=$DFLASHCTL_RESUME_DIR"']), resume=first.run_id)
+    assert wait_exit(second.run_dir)["exit_code"] == 0
+    assert f"from={first.run_dir}\n" in (Path(second.run_dir) / "train.log").read_text()
+    plan = launch(t, cmd_spec("cr", ["true"]), resume=first.run_id, dry_run=True)
+    assert plan.plan["env"]["DFLASHCTL_RESUME_DIR"] == first.run_dir and plan.resumed_from == first.run_id

@@ -192,6 +192,21 @@ def test_clean_100k_line_log_has_no_match(catalogue):
     assert [(e.signature, e.line_no) for e in blocks] == [("cuda-oom", 100_003)]
 
 
+def test_training_recompile_line_of_the_trainer_is_a_warning_with_step_and_count(catalogue):
+    events = run_lines(catalogue, (FIXTURES / "training-recompile.log").read_text())
+    assert [(e.signature, e.line_no, e.groups) for e in events] == [("training-recompile", 10, {"graphs": "2", "step": "231"})]
+    sig = catalogue.get("training-recompile")
+    assert sig.severity == "warning" and "guard failure" in sig.fix and "fixed" in sig.fix
+    assert events[0].title.startswith("torch.compile recompiled during training: 2 new graph(s) at step 231")
+    assert any("recompile_limit" in n for n in sig.not_this)
+    # The exact line trainer/rank_loop.py logs (colocated: no rank prefix) is recognised too.
+    line = ("[compile] recompile during training: 1 new graph(s) at step 7 (recompiles 1); "
+            "shapes must stay fixed, see the guard failure above")
+    assert [e.signature for e in run_lines(catalogue, line + "\n")] == ["training-recompile"]
+    # A healthy step line that reports `recompiles 0` is not one.
+    assert run_lines(catalogue, "step 300/12000 loss 3.5 acc 0.2 sim_tau 2.7 19000 tok/s recompiles 0\n") == []
+
+
 def test_trainer_nan_metric_lines_match(catalogue):
     for line in ["step 12/100 ep 0 loss nan acc 0.000 sim_tau 1.00 20000 tok/s lr 3.00e-04 rss 9000MB",
                  '{"kind":"train","step":12,"loss":"nan","acc":0.0}', "[train] step 12 | loss inf | acc 0.0",

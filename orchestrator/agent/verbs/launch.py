@@ -244,7 +244,7 @@ def _resume_source(workdir: str, request: dict, emit) -> resume.ResumeSource | N
     src = resume.find_source(workdir, str(rid), request["experiment"], str(request.get("kind")))
     if src.step is not None:
         emit.progress("resume", f"continuing run {src.run_id} from its checkpoint at step {src.step}",
-                      resumed_from=src.run_id, step=src.step)
+                      resumed_from=src.run_id, checkpoint_step=src.step)
     else:
         emit.progress("resume", f"continuing run {src.run_id} ({resume.RESUME_ENV}={src.run_dir})",
                       resumed_from=src.run_id)
