@@ -459,7 +459,6 @@ def _train_rows(run: Path) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
 
 
-@pytest.mark.slow  # ~40 s: two tiny trainer runs (most of it imports and the τ evaluations)
 def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path):
     """The tiny trainer, shrunk to 6 steps with a checkpoint every 2: run A ends; its newest checkpoint is
     removed (as if A died between the step-4 save and the end); B = `--resume A` is a new run that starts
@@ -472,6 +471,10 @@ def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path):
     inv = load_inventory(_embedded())
     spec = spec_from_inventory(inv, "tiny", tag="a")
     spec.config.update(max_steps=6, save_every=2, log_every=1, keep_checkpoints=2)
+    # The sizes of tests/trainer/test_launch.py: a small tiny target, 4 short rows per step.
+    spec.config["model"].update(num_draft_layers=1, tiny_target={**spec.config["model"]["tiny_target"], "num_prompts": 40,
+                                                                 "held_out": 4, "response_tokens": 24})
+    spec.config["data"].update(max_len=64, token_budget=256, max_batch_size=4, num_anchors=8)
     t = local(tmp_path)
     a = launch(t, spec)
     assert wait_exit(a.run_dir, 240)["exit_code"] == 0, (Path(a.run_dir) / "train.log").read_text()[-3000:]
