@@ -5,6 +5,7 @@ stand-in, namespaced containers, real tmux)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -248,7 +249,11 @@ def test_dflash_launch_of_the_embedded_tiny_experiment_starts_the_real_trainer(t
 
     spec = spec_from_inventory(load_inventory(_embedded()), "tiny", tag="t")
     t = local(tmp_path)
-    res = launch(t, spec)
+    events: list[dict] = []
+    res = launch(t, spec, on_event=events.append)
+    layout = [e for e in events if e.get("step") == "layout"]
+    assert [e["message"] for e in layout] == ["colocated: target and drafter in one CPU process"]
+    assert not any(e.get("warning") for e in events)
     run = Path(res.run_dir)
     cfg = load_config(run / "config.json")  # the trainer's own loader accepts what launch wrote
     assert cfg.output_dir == str(run) and cfg.model.block_size == spec.config["model"]["block_size"]
@@ -548,3 +553,54 @@ def test_resume_of_a_command_run_passes_the_old_run_dir(tmp_path):
     assert f"from={first.run_dir}\n" in (Path(second.run_dir) / "train.log").read_text()
     plan = launch(t, cmd_spec("cr", ["true"]), resume=first.run_id, dry_run=True)
     assert plan.plan["env"]["DFLASHCTL_RESUME_DIR"] == first.run_dir and plan.resumed_from == first.run_id
+
+
+def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_gives_each_rank_its_gpu(pve):
+    """A 1 target + 2 drafter GPU layout on the fake host, in one pct exec: the inventory layout lands in
+    config.json, each drafter GPU is warmed in turn, and trainer.launch starts one process per GPU with that
+    GPU visible. (This box has no GPU: the warm-ups run with --device cpu on a shape-only target, and the
+    ranks then fail on their missing CUDA device / weights, which ends the run with a failed exit.json.)"""
+    from transformers import Qwen3Config
+
+    from trainer.config import parse_config
+
+    ct = make_ct(pve, 306)
+    try:
+        model = Path(ct.workdir) / "model"
+        Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16).save_pretrained(model)
+        layout = {"target_gpus": [3], "drafter_gpus": [5, 6]}
+        config = parse_config({
+            "model": {"target": str(model), "block_size": 4, "num_draft_layers": 1, "num_target_features": 1},
+            "data": {"max_len": 32, "token_budget": 64, "max_batch_size": 2, "num_anchors": 4},
+            "layout": {**layout, "timeout_s": 30},
+        }).model_dump(mode="json")
+        spec = LaunchSpec(experiment="gl", kind="dflash", target="ct", config=config, layout=layout, gpus=[3, 5, 6],
+                          venv_profile={"kind": "uv"}, lock_hash="L1")
+        t = ct_target(pve, ct)
+        t.agent("echo")
+        pve.clear_pct_calls()
+        events: list[dict] = []
+        res = launch(t, spec, on_event=events.append, warmup_device="cpu")
+        assert len(pve.pct_exec_calls(306)) == 1
+        t.close()
+        run = Path(res.run_dir)
+        assert res.command[1:] == ["-m", "trainer.launch", "--config", str(run / "config.json")]
+        written = json.loads((run / "config.json").read_text())
+        assert (written["layout"]["target_gpus"], written["layout"]["drafter_gpus"]) == ([3], [5, 6])
+        assert written["compile"]["cache_dir"] == str(Path(ct.workdir) / "inductor-cache")
+        env = dict(e.split("=", 1) for e in (run / "launch.env0").read_text().split("\0") if e)
+        assert "CUDA_VISIBLE_DEVICES" not in env and env["TORCHINDUCTOR_CACHE_DIR"] == written["compile"]["cache_dir"]
+        assert [e["message"] for e in events if e.get("step") == "layout"] == [
+            "1 target process(es) on GPUs [3], 2 drafter process(es) on GPUs [5, 6]: one process per GPU"]
+        assert [e["gpu"] for e in events if "warm in" in e.get("message", "")] == [5, 6]
+        assert [w["gpu"] for w in json.loads((run / "warmup.json").read_text())] == [5, 6]
+
+        ex = wait_exit(res.run_dir, 120)
+        log = (run / "train.log").read_text()
+        assert ex["exit_code"] != 0, log[-3000:]
+        for rank, role, gpu in ((0, "target", 3), (1, "drafter", 5), (2, "drafter", 6)):
+            assert re.search(rf"^\[launch\] rank {rank} \({role}\) pid \d+ CUDA_VISIBLE_DEVICES='{gpu}'$", log, re.M), log[-3000:]
+        assert "[launch] run failed" in log
+    finally:
+        pve.remove_container(306)
