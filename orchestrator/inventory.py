@@ -177,7 +177,7 @@ class DflashExperiment(_Strict):
     """Train a DFlash drafter with the bundled trainer."""
 
     kind: Literal["dflash"]
-    """`dflash`: the bundled trainer (`python -m trainer train`)."""
+    """`dflash`: the bundled trainer (`python -m trainer.launch`: one process per GPU of `layout`)."""
     target: str
     """Target name (key of `targets:`)."""
     venv: str | None = None

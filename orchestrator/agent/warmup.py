@@ -26,14 +26,15 @@ def default_cache_dir(workdir: str | Path) -> Path:
     return Path(workdir) / CACHE_DIR_NAME
 
 
-def resolve_compile(config: dict, workdir: str | Path) -> dict:
+def resolve_compile(config: dict, workdir: str | Path, create: bool = True) -> dict:
     """A copy of a TrainConfig dict whose `compile.cache_dir` is set: the experiment's own value, else the
-    target's persistent cache (created here, so the first process does not race to make it)."""
+    target's persistent cache (created here unless `create` is false, so no two processes race to make it)."""
     config = dict(config)
     comp = dict(config.get("compile") or {})
     if not comp.get("cache_dir"):
         comp["cache_dir"] = str(default_cache_dir(workdir))
-    Path(comp["cache_dir"]).expanduser().mkdir(parents=True, exist_ok=True)
+    if create:
+        Path(comp["cache_dir"]).expanduser().mkdir(parents=True, exist_ok=True)
     config["compile"] = comp
     return config
 

@@ -263,12 +263,14 @@ def _run_gpus(request: dict, src: resume.ResumeSource | None, emit) -> list[int]
     return gpus
 
 
-def _run_config(request: dict, workdir: str, run_dir: Path, src: resume.ResumeSource | None) -> dict:
+def _run_config(request: dict, workdir: str, run_dir: Path, src: resume.ResumeSource | None,
+                create: bool = True) -> dict:
     """kind dflash: the config written to runs/<id>/config.json (the old run's when resuming), writing into
-    run_dir, with compile.cache_dir defaulting to the target's persistent cache."""
+    run_dir, with compile.cache_dir defaulting to the target's persistent cache (made unless `create` is
+    false: a dry run changes nothing)."""
     config = resume.resumed_config(src, run_dir) if src is not None else {**(request.get("config") or {}),
                                                                          "output_dir": str(run_dir)}
-    return warmups.resolve_compile(config, workdir)
+    return warmups.resolve_compile(config, workdir, create=create)
 
 
 def run(request: dict, emit) -> dict:
@@ -410,12 +412,7 @@ def _plan(request, workdir, run_id, session, threshold, replace, emit) -> dict:
     run_dir = runs.runs_root(workdir) / run_id
     request = {**request, "gpus": gpus}
     dflash = request.get("kind") == "dflash"
-    config = None
-    if dflash:  # the same resolution as the real launch, without creating the cache directory
-        config = resume.resumed_config(src, run_dir) if src is not None else dict(request.get("config") or {})
-        comp = dict(config.get("compile") or {})
-        comp["cache_dir"] = comp.get("cache_dir") or str(warmups.default_cache_dir(workdir))
-        config["compile"] = comp
+    config = _run_config(request, workdir, run_dir, src, create=False) if dflash else None
     resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
     argv, extra = build_command(request, run_dir, config, resume_dir)
     script = run_dir / SCRIPT_NAME
