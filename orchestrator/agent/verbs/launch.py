@@ -12,8 +12,8 @@ message).
 Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, resumed_from, dry_run,
          config (kind dflash: as written to config.json), env_fingerprint, bundle_hash, plan: {...} (dry run)}
 Refusals (AgentFailure types): LockHeld, SessionExists, GpuBusy, VenvMismatch, ResumeNotFound,
-ResumeMismatch, NothingToResume, BadRequest; a failed warm-up is WarmupFailed (its exit.json is written, no
-session is started).
+ResumeMismatch, NothingToResume, BadRequest. A failed warm-up is WarmupFailed and a failed seeding of a
+resumed run ResumeFailed: either way the run's exit.json is written and no session is started.
 """
 
 from __future__ import annotations
@@ -324,7 +324,15 @@ def run(request: dict, emit) -> dict:
         if dflash:
             config = _run_config(request, workdir, run_dir, src)
             if src is not None:
-                seeded = resume.seed(src, run_dir)
+                started = runs.utc_now()
+                try:
+                    seeded = resume.seed(src, run_dir)
+                except OSError as exc:  # disk full, permissions: the new run ends here, and says so
+                    runs.write_json(run_dir / "exit.json", {"exit_code": 1, "signal": None, "started": started,
+                                                            "ended": runs.utc_now(), "phase": "resume"})
+                    raise AgentFailure("ResumeFailed", f"could not seed {run_dir} from run {src.run_id}: {exc}",
+                                       fix=f"free space or fix permissions under {run_dir.parent}, then launch again",
+                                       data={"run_id": run_id, "resumed_from": src.run_id}) from None
                 emit.progress("resume", f"seeded {run_dir.name} from {src.run_id}: {', '.join(seeded)}")
             runs.write_json(run_dir / "config.json", config)
         resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
