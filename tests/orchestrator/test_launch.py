@@ -476,7 +476,7 @@ def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path):
     inv = load_inventory(_embedded())
     spec = spec_from_inventory(inv, "tiny", tag="a")
     spec.config.update(max_steps=6, save_every=2, log_every=1, keep_checkpoints=2)
-    # The sizes of tests/trainer/test_launch.py: a small tiny target, 4 short rows per step.
+    # The sizes of tests/trainer/test_trainer_launch.py: a small tiny target, 4 short rows per step.
     spec.config["model"].update(num_draft_layers=1, tiny_target={**spec.config["model"]["tiny_target"], "num_prompts": 40,
                                                                  "held_out": 4, "response_tokens": 24})
     spec.config["data"].update(max_len=64, token_budget=256, max_batch_size=4, num_anchors=8)
