@@ -3,8 +3,12 @@
     <workdir>/runs/<run-id>/  run.json  config.json  train.log  metrics.jsonl  exit.json  pid
     <workdir>/launch.lock     held (flock) by the one launch in progress; its text names the holder
 
-States: running (its session lives, pane alive, no exit.json), succeeded (exit 0), failed (exit != 0),
-crashed (no exit.json and its session is gone or its pane dead: killed, container stopped).
+States: running (no exit.json, and its session lives with a live pane or its command's process group from
+`pid` still exists), succeeded (exit 0), failed (exit != 0), crashed (no exit.json, its session gone or its
+pane dead, and no process of its command left: killed, container stopped).
+
+This module is the one place that finds run directories, reads their JSON files, checks liveness and decides
+a run's state; status, stop, launch, resume, tail and metrics all use it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.agent.protocol import AgentFailure
@@ -54,7 +59,7 @@ def runs_root(workdir: str | Path) -> Path:
 def read_json(path: Path) -> dict | None:
     """A JSON object from a file, or None when missing, partial or not an object."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -128,34 +133,242 @@ def last_metrics(path: Path) -> dict | None:
     return last
 
 
-def state_of(exit_info: dict | None, session: dict | None) -> str:
+# ---------------------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunRef:
+    """A run directory and what run.json says about it."""
+
+    run_id: str
+    path: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def experiment(self) -> str | None:
+        return self.info.get("experiment")
+
+    @property
+    def session(self) -> str | None:
+        """The tmux session the run lives in: run.json's `session`, else `dflash-<experiment>`."""
+        if self.info.get("session"):
+            return str(self.info["session"])
+        return f"dflash-{self.experiment}" if self.experiment else None
+
+    @property
+    def log(self) -> Path:
+        return self.path / "train.log"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def exit_file(self) -> Path:
+        return self.path / "exit.json"
+
+
+def load_ref(path: Path) -> RunRef:
+    """The RunRef of an existing run directory (run.json read now; {} when missing or partial)."""
+    return RunRef(path.name, path, read_json(path / "run.json") or {})
+
+
+def created_key(ref: RunRef) -> tuple:
+    """Sort key, oldest first: run.json's ISO `created` (sorts as text), then the directory's mtime (ties,
+    and runs whose run.json is missing), then the name."""
+    try:
+        mtime = ref.path.stat().st_mtime
+    except OSError:
+        mtime = 0.0
+    return (str(ref.info.get("created") or ""), mtime, ref.run_id)
+
+
+def run_refs(workdir: str | Path) -> list[RunRef]:
+    """Every run directory under `<workdir>/runs`, oldest first (created_key)."""
+    root = runs_root(workdir)
+    if not root.is_dir():
+        return []
+    refs = [load_ref(p) for p in root.iterdir() if p.is_dir() and RUN_ID.match(p.name)]
+    return sorted(refs, key=created_key)
+
+
+def resolve_run(workdir: str | Path, run_id: str | None = None, experiment: str | None = None) -> RunRef:
+    """The run named `run_id`, else the newest run of `experiment`, else the newest run of all.
+
+    Raises:
+        AgentFailure("RunNotFound"): no such run, or `run_id` is not a valid run id (the message lists the
+            newest runs there are).
+    """
+    if run_id is not None:
+        if not RUN_ID.match(str(run_id)) or ".." in str(run_id):
+            raise AgentFailure("RunNotFound", f"{run_id!r} is not a valid run id", fix="dflashctl runs")
+        path = runs_root(workdir) / run_id
+        if path.is_dir():
+            return load_ref(path)
+    refs = run_refs(workdir)
+    if run_id is None:
+        candidates = [r for r in refs if experiment is None or r.experiment == experiment]
+        if candidates:
+            return candidates[-1]
+    known = ", ".join(r.run_id for r in refs[-5:]) or "none"
+    what = f"no run {run_id!r}" if run_id is not None else (
+        f"no run of experiment {experiment!r}" if experiment else "no runs")
+    raise AgentFailure(
+        "RunNotFound",
+        f"{what} in {runs_root(workdir)} (newest runs: {known})",
+        fix="dflashctl runs   # lists runs; or launch one with dflashctl launch EXPERIMENT",
+        data={"runs": [r.run_id for r in refs[-20:]]},
+    )
+
+
+def read_exit(ref: RunRef) -> dict | None:
+    """exit.json's contents, or None while the run has not ended (or the file is still being written)."""
+    return read_json(ref.exit_file)
+
+
+# ------------------------------------------------------------------------------------------ liveness
+
+
+def pid_alive(pid: int, since: float | None = None) -> bool:
+    """Whether process `pid` exists (and, given `since`, started no later than that epoch time).
+
+    `since` guards against pid reuse: a pid file outlives its process (a container restart, a reboot), and
+    a new process that got the same number started after the file was written. Where /proc cannot tell the
+    start time, existence alone decides.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    if since is None:
+        return True
+    started = _process_start(pid)
+    # Start times from /proc are whole seconds of boot time plus clock ticks: allow 2 s of rounding.
+    return started is None or started <= since + 2.0
+
+
+def _process_start(pid: int) -> float | None:
+    """Epoch start time of a process from /proc (Linux), or None when it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, counted after the comm field
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` still exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_pid(run_dir: Path) -> int | None:
+    """The command's process group id from `<run>/pid` (written by start_training.sh), or None."""
+    try:
+        text = (run_dir / "pid").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def command_alive(ref: RunRef) -> bool | None:
+    """Whether the command of `<run>/pid` still runs (its leader, or any process of its group); None when
+    there is no pid file yet."""
+    pid = read_pid(ref.path)
+    if pid is None:
+        return None
+    try:
+        since = (ref.path / "pid").stat().st_mtime
+    except OSError:
+        since = None
+    if pid_alive(pid):
+        return pid_alive(pid, since)  # the leader exists: is it still ours, or a reused number?
+    # The leader is gone but workers of its group may live on; the kernel does not hand out a number that
+    # is still some group's id, so such a group is this run's.
+    return group_alive(pid)
+
+
+def run_session(ref: RunRef, sessions: list[dict]) -> dict | None:
+    """The tmux session running THIS run: the one tagged with its run id (`@dflash_run`), else an untagged
+    one (started by hand) of the run's session name; a live pane wins over a dead one. None if there is none.
+
+    Launch tags each session with the run id and keeps dead panes (remain-on-exit), so a session of the
+    same name that runs a later run does not count as this one.
+    """
+    found = [s for s in sessions
+             if s.get("run_id") == ref.run_id or (s.get("run_id") is None and ref.session and s.get("name") == ref.session)]
+    return next((s for s in found if not s.get("dead")), found[0] if found else None)
+
+
+def session_alive(ref: RunRef, sessions: list[dict] | None = None) -> bool | None:
+    """Whether THIS run's tmux session lives with a live pane (see run_session); None when tmux cannot tell.
+
+    Args:
+        sessions: tmuxctl.list_sessions() when the caller has it already; else it is listed here.
+    """
+    if sessions is None:
+        from orchestrator.agent import tmuxctl
+
+        try:
+            sessions = tmuxctl.list_sessions()
+        except AgentFailure:
+            return None  # no tmux or no libtmux here: the pid file may still tell
+    s = run_session(ref, sessions)
+    return s is not None and not s.get("dead")
+
+
+def run_alive(ref: RunRef, sessions: list[dict] | None = None) -> bool | None:
+    """Whether the run still runs: its tmux session has a live pane, or its command's process group (the
+    pid file) still exists. Either is enough: a wrongly declared crash is worse than a late one (a follower
+    would stop, a status would say crashed while the trainer still holds its GPUs). None when neither can
+    tell."""
+    alive = session_alive(ref, sessions)
+    if alive:
+        return True
+    pid = command_alive(ref)
+    if pid:
+        return True
+    return alive if alive is not None else pid
+
+
+def state_of(exit_info: dict | None, alive: bool | None) -> str:
     """running | succeeded | failed | crashed.
 
     Args:
         exit_info: exit.json, or None.
-        session: the tmux session running THIS run (matched by run id), or None.
+        alive: run_alive(); None (nothing could tell) counts as running: only a run known gone has crashed.
     """
     if exit_info is not None:
         return "succeeded" if exit_info.get("exit_code") == 0 else "failed"
-    if session is not None and not session.get("dead"):
-        return "running"
-    return "crashed"
+    return "crashed" if alive is False else "running"
 
 
-def summarize(workdir: str | Path, run_id: str, sessions: list[dict], now: float | None = None) -> dict:
-    """Everything status shows about one run."""
-    d = runs_root(workdir) / run_id
-    info = read_json(d / "run.json") or {}
-    exit_info = read_json(d / "exit.json")
-    session = next((s for s in sessions if s.get("run_id") == run_id), None)
-    state = state_of(exit_info, session)
+def summarize(ref: RunRef, sessions: list[dict], now: float | None = None) -> dict:
+    """Everything status shows about one run.
+
+    Args:
+        sessions: tmuxctl.list_sessions() (the state needs them).
+    """
+    info = ref.info
+    exit_info = read_exit(ref)
+    state = state_of(exit_info, None if exit_info is not None else run_alive(ref, sessions))
     started = parse_time((exit_info or {}).get("started")) or parse_time(info.get("created"))
     ended = parse_time((exit_info or {}).get("ended"))
     if ended is None and state == "running":
         ended = now if now is not None else time.time()
-    metrics = last_metrics(d / "metrics.jsonl")
+    metrics = last_metrics(ref.metrics)
     return {
-        "run_id": run_id,
+        "run_id": ref.run_id,
         "experiment": info.get("experiment"),
         "tag": info.get("tag"),
         "state": state,
@@ -170,23 +383,11 @@ def summarize(workdir: str | Path, run_id: str, sessions: list[dict], now: float
 
 
 def list_runs(workdir: str | Path, sessions: list[dict]) -> list[dict]:
-    """Every run directory, oldest first (by run.json's created, then name)."""
-    root = runs_root(workdir)
-    if not root.is_dir():
-        return []
-    out = [summarize(workdir, p.name, sessions) for p in root.iterdir() if p.is_dir() and RUN_ID.match(p.name)]
-    out.sort(key=lambda r: (r.get("created") or "", r["run_id"]))
-    return out
+    """summarize() of every run directory, oldest first (created_key)."""
+    return [summarize(ref, sessions) for ref in run_refs(workdir)]
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+# ------------------------------------------------------------------------------------------ the lock
 
 
 class LaunchLock:

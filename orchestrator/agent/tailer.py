@@ -1,5 +1,6 @@
-"""Agent-side pieces of `tail`: find a run, read a growing file in whole lines from a byte offset, wait for
-changes cheaply, and tell running / succeeded / failed / crashed apart. Standard library only.
+"""Agent-side pieces of `tail`: read a growing file in whole lines from a byte offset, wait for changes
+cheaply, and find the last good run's throughput. Finding runs, their state and their liveness live in
+orchestrator.agent.runs. Standard library only.
 
 Offsets are byte offsets into the file. A chunk handed out always ends with a newline (a partial last line
 is held back until its newline arrives or the run is over), so "the offset after the last complete line
@@ -12,13 +13,11 @@ import ctypes
 import ctypes.util
 import json
 import os
-import re
 import select
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.runs import RunRef, created_key, read_exit, run_refs
 
 # One read from a file per pump; one event carries at most this much (the JSON line stays small enough
 # for the workstation to parse without stalls).
@@ -26,163 +25,6 @@ READ_BYTES = 1 << 20
 EVENT_BYTES = 256 << 10
 # A "line" longer than this without a newline is handed out anyway, or the follower would stall forever.
 MAX_LINE = 1 << 20
-
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$")  # as orchestrator.agent.runs.RUN_ID
-
-
-# ---------------------------------------------------------------------------------------------- runs
-
-
-@dataclass
-class RunRef:
-    """A run directory and what run.json says about it."""
-
-    run_id: str
-    path: Path
-    info: dict = field(default_factory=dict)
-
-    @property
-    def experiment(self) -> str | None:
-        return self.info.get("experiment")
-
-    @property
-    def session(self) -> str | None:
-        """The tmux session the run lives in: run.json's `session`, else `dflash-<experiment>`."""
-        if self.info.get("session"):
-            return str(self.info["session"])
-        return f"dflash-{self.experiment}" if self.experiment else None
-
-    @property
-    def log(self) -> Path:
-        return self.path / "train.log"
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    @property
-    def exit_file(self) -> Path:
-        return self.path / "exit.json"
-
-
-def _read_json(path: Path) -> dict | None:
-    """A JSON object from path, or None if it is absent or not (yet) a complete JSON object."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _created_key(ref: RunRef) -> tuple:
-    # run.json's ISO timestamp sorts correctly as text; the directory mtime breaks ties and covers runs
-    # whose run.json is missing.
-    try:
-        mtime = ref.path.stat().st_mtime
-    except OSError:
-        mtime = 0.0
-    return (str(ref.info.get("created") or ""), mtime, ref.run_id)
-
-
-def list_runs(workdir: str | Path) -> list[RunRef]:
-    """Every run directory under `<workdir>/runs`, oldest first."""
-    root = Path(workdir) / "runs"
-    if not root.is_dir():
-        return []
-    refs = []
-    for entry in root.iterdir():
-        if entry.is_dir() and _RUN_ID.match(entry.name):
-            refs.append(RunRef(entry.name, entry, _read_json(entry / "run.json") or {}))
-    return sorted(refs, key=_created_key)
-
-
-def resolve_run(workdir: str | Path, run_id: str | None = None, experiment: str | None = None) -> RunRef:
-    """The run named `run_id`, else the newest run of `experiment`, else the newest run of all.
-
-    Raises:
-        AgentFailure("RunNotFound"): no such run (the message lists the newest runs there are).
-    """
-    if run_id is not None:
-        if not _RUN_ID.match(str(run_id)) or ".." in str(run_id):
-            raise AgentFailure("RunNotFound", f"{run_id!r} is not a valid run id", fix="dflashctl runs")
-        path = Path(workdir) / "runs" / run_id
-        if path.is_dir():
-            return RunRef(run_id, path, _read_json(path / "run.json") or {})
-    runs = list_runs(workdir)
-    if run_id is None:
-        candidates = [r for r in runs if experiment is None or r.experiment == experiment]
-        if candidates:
-            return candidates[-1]
-    known = ", ".join(r.run_id for r in runs[-5:]) or "none"
-    what = f"no run {run_id!r}" if run_id is not None else (
-        f"no run of experiment {experiment!r}" if experiment else "no runs")
-    raise AgentFailure(
-        "RunNotFound",
-        f"{what} in {Path(workdir) / 'runs'} (newest runs: {known})",
-        fix="dflashctl runs   # lists runs; or launch one with dflashctl launch EXPERIMENT",
-        data={"runs": [r.run_id for r in runs[-20:]]},
-    )
-
-
-def session_alive(ref: RunRef) -> bool | None:
-    """Whether the tmux session running THIS run lives with a live pane; None when tmux cannot tell.
-
-    Launch tags each session with the run id (`@dflash_run`) and keeps dead panes (remain-on-exit), so a
-    session of the same name that runs a later run, or whose pane died, does not count as this run alive.
-    A session without the tag (started by hand) is matched by name.
-    """
-    from orchestrator.agent import tmuxctl
-
-    if not ref.session:
-        return None
-    try:
-        sessions = tmuxctl.list_sessions()
-    except AgentFailure:
-        return None  # no tmux or no libtmux here: the pid file may still tell
-    for s in sessions:
-        if s["name"] == ref.session and s.get("run_id") in (None, ref.run_id):
-            return not s.get("dead")
-    return False
-
-
-def pid_alive(ref: RunRef) -> bool | None:
-    """Whether the process group in `<run>/pid` (written by start_training.sh) still exists; None if unknown."""
-    try:
-        pid = int((ref.path / "pid").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def run_alive(ref: RunRef) -> bool | None:
-    """Whether the run still runs: its tmux session has a live pane, or its command's process group (the
-    pid file) still exists. Either is enough: a wrongly declared crash ends the follow, a missed one only
-    delays it until the hang check speaks. None when neither can tell."""
-    alive = session_alive(ref)
-    if alive:
-        return True
-    pid = pid_alive(ref)
-    if pid:
-        return True
-    return alive if alive is not None else pid
-
-
-def state_of(exit_info: dict | None, alive: bool | None) -> str:
-    """running | succeeded | failed | crashed, from exit.json (or its absence) and the session."""
-    if exit_info is not None:
-        return "succeeded" if exit_info.get("exit_code") == 0 else "failed"
-    return "crashed" if alive is False else "running"
-
-
-def read_exit(ref: RunRef) -> dict | None:
-    """exit.json's contents, or None while the run has not ended (or the file is still being written)."""
-    return _read_json(ref.exit_file)
 
 
 # ------------------------------------------------------------------------------------- baseline
@@ -217,10 +59,10 @@ def last_good_baseline(workdir: str | Path, ref: RunRef) -> dict | None:
     """Throughput of the newest succeeded run of the same experiment that is older than `ref`."""
     if not ref.experiment:
         return None
-    for other in reversed(list_runs(workdir)):
+    for other in reversed(run_refs(workdir)):
         if other.run_id == ref.run_id or other.experiment != ref.experiment:
             continue
-        if _created_key(other) >= _created_key(ref):
+        if created_key(other) >= created_key(ref):
             continue
         exit_info = read_exit(other)
         if exit_info is None or exit_info.get("exit_code") != 0:

@@ -61,10 +61,38 @@ def wait_for(pred, timeout: float = 20.0):
 
 def test_state_of_covers_every_case():
     assert agent_runs.state_of({"exit_code": 0}, None) == "succeeded"
-    assert agent_runs.state_of({"exit_code": 2}, {"dead": False}) == "failed"
-    assert agent_runs.state_of(None, {"dead": False}) == "running"
-    assert agent_runs.state_of(None, {"dead": True}) == "crashed"
-    assert agent_runs.state_of(None, None) == "crashed"
+    assert agent_runs.state_of({"exit_code": 2}, True) == "failed"
+    assert agent_runs.state_of({"exit_code": 0}, False) == "succeeded"
+    assert agent_runs.state_of(None, True) == "running"
+    assert agent_runs.state_of(None, False) == "crashed"
+    assert agent_runs.state_of(None, None) == "running"  # nothing could tell: never declared a crash
+
+
+def test_run_alive_from_its_own_session_or_its_pid_file(tmp_path):
+    run = tmp_path / "runs" / "exp-1"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text('{"experiment": "exp", "created": "2026-01-01T00:00:00Z"}')
+    ref = agent_runs.load_ref(run)
+    alive = agent_runs.run_alive
+    assert alive(ref, [{"name": "dflash-exp", "run_id": "exp-1", "dead": False}]) is True
+    assert alive(ref, [{"name": "dflash-exp", "run_id": "exp-1", "dead": True}]) is False
+    assert alive(ref, [{"name": "dflash-exp", "run_id": "exp-2", "dead": False}]) is False  # a later run's
+    assert alive(ref, [{"name": "dflash-exp", "run_id": None, "dead": False}]) is True  # started by hand
+    assert alive(ref, [{"name": "dflash-other", "run_id": None, "dead": False}]) is False
+    assert alive(ref, []) is False
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        (run / "pid").write_text(f"{proc.pid}\n")
+        assert alive(ref, []) is True  # the session is gone, the command still runs
+        # A pid file written long before the process with that number started: a reused pid, not this run.
+        old = time.time() - 3600
+        os.utime(run / "pid", (old, old))
+        assert alive(ref, []) is False
+    finally:
+        proc.kill()
+        proc.wait()
+    os.utime(run / "pid")
+    assert alive(ref, []) is False
 
 
 def test_status_shows_last_tokens_per_s_and_a_growing_duration(tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.agent.tailer import resolve_run
+from orchestrator.agent.runs import resolve_run
 
 
 def read_rows(path) -> tuple[list[dict], int]:

@@ -23,29 +23,11 @@ _POLL_S = 0.1
 _AFTER_KILL_S = 10.0
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _read_pgid(run_dir) -> int | None:
-    try:
-        text = (run_dir / "pid").read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
 def _ended(run_dir, pgid: int | None) -> bool:
     """The run is over when exit.json exists, or (the wrapper itself killed) nothing of the command is left."""
     if (run_dir / "exit.json").exists():
         return True
-    return pgid is not None and not _group_alive(pgid)
+    return pgid is not None and not runs.group_alive(pgid)
 
 
 def stop_run(workdir: str, run_id: str, grace_s: float, emit) -> dict:
@@ -61,7 +43,7 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit) -> dict:
         raise AgentFailure("RunNotFound", f"no run {run_id} in {runs.runs_root(workdir)}", fix="dflashctl status")
     session = next((s for s in tmuxctl.list_sessions() if s.get("run_id") == run_id), None)
     signals_sent: list[str] = []
-    pgid = _read_pgid(run_dir)
+    pgid = runs.read_pid(run_dir)
     already = (run_dir / "exit.json").exists() or (pgid is None and (session is None or session["dead"]))
     if not already:
         if pgid is None:
@@ -88,7 +70,7 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit) -> dict:
         deadline = time.monotonic() + _AFTER_KILL_S
         while time.monotonic() < deadline and not (run_dir / "exit.json").exists():
             time.sleep(_POLL_S)
-        if _group_alive(pgid):
+        if runs.group_alive(pgid):
             raise AgentFailure(
                 "StopFailed",
                 f"run {run_id}: process group {pgid} still alive after SIGKILL (uninterruptible I/O? a hung GPU?)",
@@ -103,7 +85,7 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit) -> dict:
         "signals": signals_sent,
         "already_ended": bool(already),
         "exit": exit_info,
-        "state": runs.state_of(exit_info, None),
+        "state": runs.state_of(exit_info, False),  # nothing of the run is left by now
         "session": session["name"] if session else None,
     }
 

@@ -28,16 +28,8 @@ import json
 import time
 
 from orchestrator.agent.protocol import AgentFailure
-from orchestrator.agent.tailer import (
-    DirWatcher,
-    LineCursor,
-    last_good_baseline,
-    read_exit,
-    resolve_run,
-    run_alive,
-    state_of,
-    tail_offset,
-)
+from orchestrator.agent.runs import read_exit, resolve_run, run_alive, state_of
+from orchestrator.agent.tailer import DirWatcher, LineCursor, last_good_baseline, tail_offset
 
 # How long to sleep at most with inotify on: changes wake us at once; this only bounds how late a change
 # nobody told us about (a log behind a symlink) is noticed.
