@@ -216,6 +216,39 @@ def test_trainer_nan_metric_lines_match(catalogue):
         assert run_lines(catalogue, line + "\n") == [], line
 
 
+@pytest.mark.parametrize("value", ["nan", "NaN", "NAN", "inf", "Inf", "INF", "-inf", "+Inf"])
+def test_nan_loss_prefilter_covers_every_spelling(catalogue, value):
+    # The prefilter anchors on the value ("nan", "nf", ...), not on "loss": each spelling must still hit,
+    # in both the streaming (str) and the block (bytes) prefilter.
+    for line in [f"step 1 loss {value} acc 0.1", f'{{"loss": "{value}"}}', f"loss={value}", f"Loss: {value}"]:
+        assert catalogue.prefilter.search(line), line
+        assert catalogue.prefilter_bytes.search(line.encode()), line
+        assert [e.signature for e in run_lines(catalogue, line + "\n")] == ["nan-loss"], line
+
+
+def _first_chars(pattern: str) -> set[str]:
+    """The characters the top-level alternation's branches start with (each branch starts with a literal)."""
+    parsed = re._parser.parse(pattern)
+    (op, (_, branches)), = parsed.data
+    assert str(op) == "BRANCH"
+    out = set()
+    for branch in branches:
+        first = branch.data[0]
+        while str(first[0]) == "SUBPATTERN":
+            first = first[1][3].data[0]
+        assert str(first[0]) == "LITERAL", branch
+        out.add(chr(first[1]))
+    return out
+
+
+def test_prefilter_cannot_start_on_a_healthy_step_line(catalogue):
+    # Speed: sre tries the whole alternation at every position whose character can start a branch, so a
+    # prefilter starting with a character of every step line ("l" of loss/lr) made diagnose 2x slower
+    # (bench/diagnose_vs_grep.py).
+    step = "step 4100/200000 ep 0 loss 1.2345 acc 0.512 sim_tau 3.21 19876 tok/s lr 3.00e-04 rss 9050MB"
+    assert _first_chars(catalogue.prefilter.pattern) & set(step) == set()
+
+
 def test_match_exit(catalogue):
     assert match_exit(catalogue, 137, None).signature == "host-oom-kill"
     assert match_exit(catalogue, None, "SIGSEGV").signature == "segfault"
