@@ -196,6 +196,8 @@ def _slope(points: Iterable[tuple[float, float]]) -> float:
 class HangDetector:
     """The session is alive but neither the log nor the metrics advanced for `seconds`.
 
+    The one hang check: `dflashctl logs` feeds it each tail heartbeat (ops.logs.LogHealth.heartbeat).
+
     Args:
         seconds: silence that counts as a hang.
     """
@@ -212,7 +214,7 @@ class HangDetector:
         Args:
             now: the current time in seconds.
             log_bytes: bytes of train.log seen so far.
-            metrics_seen: metrics records seen so far.
+            metrics_seen: how far metrics.jsonl has got (records or bytes: only a change counts).
             session_alive: whether the tmux session still runs (a dead session is an exit, not a hang).
 
         Returns:
