@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -20,29 +19,15 @@ from orchestrator.errors import PreflightError, UserError
 from orchestrator.ops.launch import LaunchSpec, launch, make_run_id
 from orchestrator.ops.status import status
 from orchestrator.records import load_records
-from orchestrator.target import ContainerTarget, LocalTarget
-from orchestrator.transport.local import LocalTransport
+from orchestrator.target import ContainerTarget
 
 # A command that stops cleanly on SIGINT (like a trainer saving a checkpoint), else runs for a minute.
 SLEEPER = [sys.executable, "-c", "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('bye', flush=True)\n"]
 HOSTILE_TAGS = ["../x", "a;b", "$(id)", "has space", "a/b", "", "..", "x" * 65, "`id`", "-rf"]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    """Own tmux server (TMUX_TMPDIR) and own run records per test; the tmux server dies at the end."""
-    d = tmp_path / "tmux"
-    d.mkdir()
-    monkeypatch.setenv("TMUX_TMPDIR", str(d))
-    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
-    yield
-    subprocess.run(["tmux", "kill-server"], capture_output=True)
-
-
-def local(tmp_path: Path) -> LocalTarget:
-    wd = tmp_path / "work"
-    wd.mkdir(exist_ok=True)
-    return LocalTarget(name="local", workdir=str(wd), transport=LocalTransport())
+# Own tmux server and run records per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
 
 def cmd_spec(experiment: str, argv: list[str], **kw) -> LaunchSpec:
@@ -146,8 +131,8 @@ def test_hostile_tags_never_reach_the_target(tag):
 # ------------------------------------------------------------------------------------------- local target
 
 
-def test_local_launch_success_and_failure_end_in_exit_json_and_status(tmp_path):
-    t = local(tmp_path)
+def test_local_launch_success_and_failure_end_in_exit_json_and_status(tmp_path, local_target):
+    t = local_target
     ok = launch(t, cmd_spec("ok", ["bash", "-c", "echo hi; exit 0"]), cli="dflashctl launch ok")
     bad = launch(t, cmd_spec("bad", ["bash", "-c", "echo no >&2; exit 7"]))
     assert wait_exit(ok.run_dir)["exit_code"] == 0
@@ -161,8 +146,8 @@ def test_local_launch_success_and_failure_end_in_exit_json_and_status(tmp_path):
     assert [r["run_id"] for r in load_records()] == [ok.run_id, bad.run_id]
 
 
-def test_double_launch_is_refused_with_the_run_id_and_the_replace_hint(tmp_path):
-    t = local(tmp_path)
+def test_double_launch_is_refused_with_the_run_id_and_the_replace_hint(tmp_path, local_target):
+    t = local_target
     first = launch(t, cmd_spec("dbl", SLEEPER))
     with pytest.raises(PreflightError) as info:
         launch(t, cmd_spec("dbl", SLEEPER, tag="again"))
@@ -171,8 +156,8 @@ def test_double_launch_is_refused_with_the_run_id_and_the_replace_hint(tmp_path)
     assert sorted(p.name for p in (Path(t.workdir) / "runs").iterdir()) == [first.run_id]
 
 
-def test_a_held_lock_names_its_holder(tmp_path):
-    t = local(tmp_path)
+def test_a_held_lock_names_its_holder(tmp_path, local_target):
+    t = local_target
     lock = agent_runs.LaunchLock(t.workdir)
     lock.acquire({"pid": 4242, "run_id": "other-20260101T000000Z", "since": "2026-01-01T00:00:00Z"})
     try:
@@ -185,8 +170,8 @@ def test_a_held_lock_names_its_holder(tmp_path):
     assert not (Path(t.workdir) / "runs").exists()
 
 
-def test_two_concurrent_launches_make_exactly_one_run(tmp_path):
-    t = local(tmp_path)
+def test_two_concurrent_launches_make_exactly_one_run(tmp_path, local_target):
+    t = local_target
     results, errors = [], []
     barrier = threading.Barrier(2)
 
@@ -207,8 +192,8 @@ def test_two_concurrent_launches_make_exactly_one_run(tmp_path):
     assert [p.name for p in (Path(t.workdir) / "runs").iterdir()] == [results[0].run_id]
 
 
-def test_replace_stops_the_old_run_gracefully_and_launches(tmp_path):
-    t = local(tmp_path)
+def test_replace_stops_the_old_run_gracefully_and_launches(tmp_path, local_target):
+    t = local_target
     old = launch(t, cmd_spec("rep", SLEEPER))
     time.sleep(0.5)  # let python install its SIGINT handler
     events: list[dict] = []
@@ -222,8 +207,8 @@ def test_replace_stops_the_old_run_gracefully_and_launches(tmp_path):
     assert states == {old.run_id: "succeeded", new.run_id: "running"}
 
 
-def test_dry_run_plans_and_changes_nothing(tmp_path):
-    t = local(tmp_path)
+def test_dry_run_plans_and_changes_nothing(tmp_path, local_target):
+    t = local_target
     res = launch(t, cmd_spec("dry", ["python", "x.py"], gpus=[]), dry_run=True)
     assert res.dry_run and res.plan["tmux"][:5] == ["tmux", "new-session", "-d", "-s", "dflash-dry"]
     assert res.command == ["python", "x.py"] and res.run_dir.endswith(res.run_id)
@@ -231,8 +216,8 @@ def test_dry_run_plans_and_changes_nothing(tmp_path):
     assert status(t).sessions == [] and load_records() == []
 
 
-def test_a_finished_session_does_not_block_the_next_launch(tmp_path):
-    t = local(tmp_path)
+def test_a_finished_session_does_not_block_the_next_launch(tmp_path, local_target):
+    t = local_target
     first = launch(t, cmd_spec("fin", ["true"]))
     wait_exit(first.run_dir)
     second = launch(t, cmd_spec("fin", ["true"], tag="two"))
@@ -241,14 +226,14 @@ def test_a_finished_session_does_not_block_the_next_launch(tmp_path):
     assert states == {first.run_id: "succeeded", second.run_id: "succeeded"}
 
 
-def test_dflash_launch_of_the_embedded_tiny_experiment_starts_the_real_trainer(tmp_path):
+def test_dflash_launch_of_the_embedded_tiny_experiment_starts_the_real_trainer(tmp_path, local_target):
     from orchestrator.inventory import load_inventory
     from orchestrator.ops.launch import spec_from_inventory
     from orchestrator.ops.stop import stop
     from trainer.config import load_config
 
     spec = spec_from_inventory(load_inventory(_embedded()), "tiny", tag="t")
-    t = local(tmp_path)
+    t = local_target
     events: list[dict] = []
     res = launch(t, spec, on_event=events.append)
     layout = [e for e in events if e.get("step") == "layout"]
@@ -464,7 +449,7 @@ def _train_rows(run: Path) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
 
 
-def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path):
+def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path, local_target):
     """The tiny trainer, shrunk to 6 steps with a checkpoint every 2: run A ends; its newest checkpoint is
     removed (as if A died between the step-4 save and the end); B = `--resume A` is a new run that starts
     at step 4 with A's config and trains steps 5-6 exactly as A did."""
@@ -480,7 +465,7 @@ def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path):
     spec.config["model"].update(num_draft_layers=1, tiny_target={**spec.config["model"]["tiny_target"], "num_prompts": 40,
                                                                  "held_out": 4, "response_tokens": 24})
     spec.config["data"].update(max_len=64, token_budget=256, max_batch_size=4, num_anchors=8)
-    t = local(tmp_path)
+    t = local_target
     a = launch(t, spec)
     assert wait_exit(a.run_dir, 240)["exit_code"] == 0, (Path(a.run_dir) / "train.log").read_text()[-3000:]
     a_dir = Path(a.run_dir)
@@ -515,10 +500,10 @@ def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path):
     assert states == {a.run_id: "succeeded", b.run_id: "succeeded"}
 
 
-def test_resume_refusals_name_the_run_and_the_fix(tmp_path):
+def test_resume_refusals_name_the_run_and_the_fix(tmp_path, local_target):
     from orchestrator.ops.launch import LaunchSpec
 
-    t = local(tmp_path)
+    t = local_target
     ok = launch(t, cmd_spec("rc", ["true"]))
     wait_exit(ok.run_dir)
     tiny = LaunchSpec(experiment="rc", kind="dflash", target="local", config={}, layout={},
@@ -544,8 +529,8 @@ def test_resume_refusals_name_the_run_and_the_fix(tmp_path):
     assert sorted(p.name for p in (Path(t.workdir) / "runs").iterdir()) == [ok.run_id, "rc-dflash"]
 
 
-def test_resume_of_a_command_run_passes_the_old_run_dir(tmp_path):
-    t = local(tmp_path)
+def test_resume_of_a_command_run_passes_the_old_run_dir(tmp_path, local_target):
+    t = local_target
     first = launch(t, cmd_spec("cr", ["true"]))
     wait_exit(first.run_dir)
     second = launch(t, cmd_spec("cr", ["bash", "-c", 'echo "from=$DFLASHCTL_RESUME_DIR"']), resume=first.run_id)

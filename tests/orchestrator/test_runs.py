@@ -18,14 +18,8 @@ from orchestrator.ops.attach import container_attach_argv, ssh_argv, tmux_attach
 from orchestrator.ops.runs import diff, list_runs
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    d = tmp_path / "tmux"
-    d.mkdir()
-    monkeypatch.setenv("TMUX_TMPDIR", str(d))
-    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
-    yield
-    subprocess.run(["tmux", "kill-server"], capture_output=True)
+# Own tmux server and run records per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
 
 def rec(run_id: str, **kw) -> dict:

@@ -17,8 +17,7 @@ from orchestrator.errors import RunNotFound
 from orchestrator.ops.launch import LaunchSpec, launch
 from orchestrator.ops.status import status
 from orchestrator.ops.stop import stop
-from orchestrator.target import ContainerTarget, LocalTarget
-from orchestrator.transport.local import LocalTransport
+from orchestrator.target import ContainerTarget
 
 STUBBORN = [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"]
@@ -28,20 +27,8 @@ METRICS = [sys.executable, "-c", "import json, os, time\np = os.path.join(os.env
            "time.sleep(60)\n"]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    d = tmp_path / "tmux"
-    d.mkdir()
-    monkeypatch.setenv("TMUX_TMPDIR", str(d))
-    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
-    yield
-    subprocess.run(["tmux", "kill-server"], capture_output=True)
-
-
-def local(tmp_path: Path) -> LocalTarget:
-    wd = tmp_path / "work"
-    wd.mkdir(exist_ok=True)
-    return LocalTarget(name="local", workdir=str(wd), transport=LocalTransport())
+# Own tmux server and run records per test (conftest.py).
+pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
 
 def spec(experiment: str, argv: list[str], **kw) -> LaunchSpec:
@@ -95,8 +82,8 @@ def test_run_alive_from_its_own_session_or_its_pid_file(tmp_path):
     assert alive(ref, []) is False
 
 
-def test_status_shows_last_tokens_per_s_and_a_growing_duration(tmp_path):
-    t = local(tmp_path)
+def test_status_shows_last_tokens_per_s_and_a_growing_duration(tmp_path, local_target):
+    t = local_target
     res = launch(t, spec("met", METRICS))
     run = wait_for(lambda: next((r for r in status(t).runs if r.get("tokens_per_s")), None))
     assert run["run_id"] == res.run_id and run["state"] == "running"
@@ -107,8 +94,8 @@ def test_status_shows_last_tokens_per_s_and_a_growing_duration(tmp_path):
     assert [s["run_id"] for s in status(t).sessions] == [res.run_id]
 
 
-def test_stop_escalates_to_sigkill_for_a_run_that_ignores_int_and_term(tmp_path):
-    t = local(tmp_path)
+def test_stop_escalates_to_sigkill_for_a_run_that_ignores_int_and_term(tmp_path, local_target):
+    t = local_target
     res = launch(t, spec("stub", STUBBORN))
     wait_for(lambda: "\nready\n" in (Path(res.run_dir) / "train.log").read_text())
     events: list[dict] = []
@@ -122,13 +109,13 @@ def test_stop_escalates_to_sigkill_for_a_run_that_ignores_int_and_term(tmp_path)
     assert again.already_ended and again.signals == []
 
 
-def test_stop_unknown_run(tmp_path):
+def test_stop_unknown_run(tmp_path, local_target):
     with pytest.raises(RunNotFound, match="no run nope-1"):
-        stop(local(tmp_path), "nope-1")
+        stop(local_target, "nope-1")
 
 
-def test_killed_wrapper_without_exit_json_is_crashed(tmp_path):
-    t = local(tmp_path)
+def test_killed_wrapper_without_exit_json_is_crashed(tmp_path, local_target):
+    t = local_target
     res = launch(t, spec("kil", STUBBORN))
     wait_for(lambda: "\nready\n" in (Path(res.run_dir) / "train.log").read_text())
     pane = status(t).sessions[0]["pane_pid"]
