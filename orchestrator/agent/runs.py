@@ -108,6 +108,25 @@ def create_run_dir(workdir: str | Path, run_id: str) -> tuple[str, Path]:
     raise AgentFailure("RunDirExists", f"runs/{run_id} and 98 suffixed variants already exist in {root}")
 
 
+def parse_records(lines) -> tuple[list[dict], int]:
+    """The JSON objects of metrics.jsonl lines (bytes or str), and how many lines were not one (bad JSON or
+    not an object). Blank lines are neither."""
+    records, invalid = [], 0
+    for raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            invalid += 1
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            invalid += 1
+    return records, invalid
+
+
 def last_metrics(path: Path) -> dict | None:
     """The last complete JSON line of metrics.jsonl that carries tokens_per_s (else the last line), or None."""
     try:

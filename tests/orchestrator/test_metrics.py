@@ -78,3 +78,10 @@ def test_cli_metrics_draws_and_writes_png(tmp_path):
     assert png.exists() and png.stat().st_size > 1000
     res = cli("--inventory", str(inv), "metrics", "nope-run")
     assert res.returncode == 4 and "no run 'nope-run'" in res.stderr
+
+
+def test_parse_records_counts_what_is_not_a_record():
+    from orchestrator.agent.runs import parse_records
+
+    records, invalid = parse_records([b'{"step": 1}\n', b"\n", b"[1, 2]\n", b'{"step": \n', '{"step": 2}'])
+    assert records == [{"step": 1}, {"step": 2}] and invalid == 2

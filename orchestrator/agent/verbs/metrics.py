@@ -6,26 +6,17 @@ A torn last line (the trainer is writing it right now) is skipped, not an error.
 
 from __future__ import annotations
 
-import json
 
-from orchestrator.agent.runs import resolve_run
+from orchestrator.agent.runs import parse_records, resolve_run
 
 
 def read_rows(path) -> tuple[list[dict], int]:
-    """Parse a metrics.jsonl; returns (rows, number of unparseable lines)."""
-    rows, bad = [], 0
+    """Parse a metrics.jsonl; returns (rows, number of lines that are not a JSON object)."""
     with open(path, "rb") as f:
-        for raw in f:
-            if not raw.endswith(b"\n"):
-                break  # being written
-            try:
-                row = json.loads(raw)
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows, bad
+        lines = f.readlines()
+    if lines and not lines[-1].endswith(b"\n"):
+        lines.pop()  # being written
+    return parse_records(lines)
 
 
 def run(request: dict, emit) -> dict:

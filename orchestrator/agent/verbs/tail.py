@@ -24,11 +24,10 @@ Result: {"run_id", "state", "exit": exit.json|null, "offsets": {"log": n, "metri
 from __future__ import annotations
 
 import base64
-import json
 import time
 
 from orchestrator.agent.protocol import AgentFailure
-from orchestrator.agent.runs import read_exit, resolve_run, run_alive, state_of
+from orchestrator.agent.runs import parse_records, read_exit, resolve_run, run_alive, state_of
 from orchestrator.agent.tailer import DirWatcher, LineCursor, last_good_baseline, tail_offset
 
 # How long to sleep at most with inotify on: changes wake us at once; this only bounds how late a change
@@ -45,19 +44,7 @@ def _data_event(emit, start: int, chunk: bytes) -> None:
 
 
 def _metrics_event(emit, start: int, chunk: bytes) -> None:
-    records, invalid = [], 0
-    for raw in chunk.splitlines():
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            invalid += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            invalid += 1
+    records, invalid = parse_records(chunk.splitlines())
     emit.event("metrics", offset=start, next=start + len(chunk), records=records, invalid=invalid)
 
 
