@@ -84,7 +84,7 @@ def main() -> int:
         ct = make_container(pve)
         target = ContainerTarget(name="ct", workdir=ct.workdir, transport=pve.pct_transport(CTID))
         t0 = time.perf_counter()
-        target.agent("echo")  # first use: pushes the bundle (one extra exec, once per bundle)
+        target.agent("echo")  # first contact: the bundle travels inline (same single exec)
         first = time.perf_counter() - t0
         target.close()
         pve.set_delay(args.pct_delay)

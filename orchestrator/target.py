@@ -2,8 +2,8 @@
 Proxmox host, reached by SSH and wrapped by `pct exec`). Both call the same agent code with the same
 protocol; the only difference is the transport and how the agent's interpreter is found.
 
-Budget: one `agent()` call is ONE command on the transport, i.e. one `pct exec` for a container (plus a
-one-time bundle push when the container lacks this bundle).
+Budget: one `agent()` call is ONE command on the transport, i.e. one `pct exec` for a container, the first
+contact included: a bundle the container may lack travels inline on stdin ahead of the request.
 """
 
 from __future__ import annotations
@@ -21,12 +21,23 @@ EventCallback = Callable[[dict], None]
 # Exit codes of the bootstrap below (chosen outside the agent's own 0/1/2).
 BUNDLE_MISSING = 75
 NO_PYTHON = 76
+BUNDLE_WRITE_FAILED = 77
 
 # Runs inside the target before the agent: finds the bundle and an interpreter. A constant script: every
 # value arrives as a positional argument, so nothing is ever spliced into shell text.
 AGENT_BOOTSTRAP = r"""set -u
-workdir=$1; hash=$2; shift 2
+workdir=$1; hash=$2; inline=$3; shift 3
 bundle="$workdir/bundle/$hash.zip"
+if [ "$inline" != 0 ]; then
+  # The first $inline bytes of stdin are the bundle zip (GNU head -c never reads past them), the rest is
+  # the request. Keep an existing copy; otherwise install it atomically.
+  if [ -f "$bundle" ]; then head -c "$inline" > /dev/null
+  else
+    mkdir -p "$workdir/bundle" && tmp="$workdir/bundle/.$hash.zip.$$" && head -c "$inline" > "$tmp" \
+      && [ "$(wc -c < "$tmp")" -eq "$inline" ] && mv -f "$tmp" "$bundle" \
+      || { rm -f "$tmp"; echo "dflashctl: could not write the bundle into $workdir/bundle" >&2; exit 77; }
+  fi
+fi
 if [ ! -f "$bundle" ]; then echo "dflashctl: bundle $hash is not in $workdir/bundle" >&2; exit 75; fi
 py="$workdir/venvs/current/bin/python"
 if [ ! -x "$py" ]; then py=$(command -v python3) || { echo "dflashctl: no python3 in PATH ($PATH)" >&2; exit 76; }; fi
@@ -34,12 +45,8 @@ export PYTHONPATH="$bundle" DFLASHCTL_WORKDIR="$workdir" DFLASHCTL_BUNDLE_HASH="
 exec "$py" -m orchestrator.agent "$@"
 """
 
-BUNDLE_PUSH = r"""set -eu
-mkdir -p "$1/bundle"
-tmp="$1/bundle/.$2.zip.$$"
-cat > "$tmp"
-mv -f "$tmp" "$1/bundle/$2.zip"
-"""
+# Workstation-side cache (in the state dir) of which bundle each container is known to hold.
+KNOWN_BUNDLES = "bundles.json"
 
 # The environment every command inside a container gets (pct resets PATH; --keep-env 0 clears the rest).
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/root/.local/bin"
@@ -170,7 +177,7 @@ class ContainerTarget(BaseTarget):
     """An LXC container: `transport` is a PctTransport (pct exec CTID -- argv over SSH)."""
 
     home: str = "/root"
-    pushes: int = 0  # bundle pushes made by this object (for tests and benchmarks)
+    pushes: int = 0  # agent calls that carried the bundle inline (tests and benchmarks)
 
     def env(self) -> dict[str, str]:
         return {"HOME": self.home, "PATH": CONTAINER_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
@@ -181,31 +188,80 @@ class ContainerTarget(BaseTarget):
 
         return with_env(self.env(), argv)
 
-    def agent_argv(self, verb: str) -> list[str]:
+    def agent_argv(self, verb: str, inline: int = 0) -> list[str]:
+        """The agent's argv; `inline` > 0 means the bundle's bytes precede the request on stdin."""
         from orchestrator.bundle import build_bundle
 
         bundle = build_bundle()
-        return self.wrap(["bash", "-c", AGENT_BOOTSTRAP, "dflashctl-agent", self.workdir, bundle.hash, verb])
+        return self.wrap(["bash", "-c", AGENT_BOOTSTRAP, "dflashctl-agent", self.workdir, bundle.hash, str(inline), verb])
 
-    def push_bundle(self) -> None:
-        from orchestrator.bundle import build_bundle
+    def bundle_cache_key(self) -> str:
+        """Identifies this container on the workstation (host, ctid, workdir) for the known-bundles cache."""
+        parent = getattr(self.transport, "parent", None)
+        host = f"{getattr(parent, 'label', None) or getattr(parent, 'hostname', '?')}:{getattr(parent, 'port', '')}"
+        ctid = getattr(self.transport, "ctid", "?")
+        return f"{host}/{ctid}/{self.workdir}"
 
-        bundle = build_bundle()
-        argv = self.wrap(["bash", "-c", BUNDLE_PUSH, "dflashctl-push", self.workdir, bundle.hash])
-        self.transport.run(argv, stdin=bundle.data, timeout=120).check(f"copying the bundle into {self.name}")
-        self.pushes += 1
+    def _bundle_known(self, bundle_hash: str) -> bool:
+        from orchestrator.records import state_dir
+
+        try:
+            known = json.loads((state_dir() / KNOWN_BUNDLES).read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(known, dict) and known.get(self.bundle_cache_key()) == bundle_hash
+
+    def _remember_bundle(self, bundle_hash: str) -> None:
+        """Record that the container holds this bundle, so later commands send only the request."""
+        import os
+        import tempfile
+
+        from orchestrator.records import state_dir
+
+        path = state_dir() / KNOWN_BUNDLES
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                known = json.loads(path.read_text())
+                known = known if isinstance(known, dict) else {}
+            except (OSError, ValueError):
+                known = {}
+            known[self.bundle_cache_key()] = bundle_hash
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".bundles-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(known, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a cache: losing it costs one inline bundle later, nothing else
 
     def _run_agent(self, verb, payload, stream, timeout):
-        res = self.transport.run(self.agent_argv(verb), stdin=payload, timeout=timeout, on_stdout=stream.feed)
-        if res.exit_code == BUNDLE_MISSING and stream.events_seen == 0:
-            # First use of this bundle in this container: copy it in once, then ask again.
-            self.push_bundle()
-            res = self.transport.run(self.agent_argv(verb), stdin=payload, timeout=timeout, on_stdout=stream.feed)
+        """One exec per agent call. When this workstation does not know the container holds the bundle,
+        the bundle travels inline on stdin ahead of the request (still one exec); when the cache was wrong
+        (bundle deleted there), one retry with the bundle inline."""
+        from orchestrator.bundle import build_bundle
+
+        bundle = build_bundle()
+        inline = not self._bundle_known(bundle.hash)
+        res = self._exec_agent(verb, payload, stream, timeout, bundle if inline else None)
+        if res.exit_code == BUNDLE_MISSING and stream.events_seen == 0 and not inline:
+            res = self._exec_agent(verb, payload, stream, timeout, bundle)
+            inline = True
+        if res.exit_code == BUNDLE_WRITE_FAILED:
+            raise RemoteCommandError(f"cannot copy the dflashctl bundle into {self.workdir} on {self.name}", result=res,
+                                     fix="check free disk and permissions of the target's workdir (dflashctl doctor)")
         if res.exit_code == NO_PYTHON:
             raise RemoteCommandError(
                 f"{self.name} has no python3 on PATH", result=res, fix="install python3 in the container (apt-get install -y python3)"
             )
+        if inline and stream.events_seen:
+            self._remember_bundle(bundle.hash)
+            self.pushes += 1
         return res
+
+    def _exec_agent(self, verb, payload, stream, timeout, bundle):
+        stdin = payload if bundle is None else bundle.data + payload
+        argv = self.agent_argv(verb, inline=0 if bundle is None else len(bundle.data))
+        return self.transport.run(argv, stdin=stdin, timeout=timeout, on_stdout=stream.feed)
 
     def run(self, argv: list[str], **kw) -> Result:
         return self.transport.run(self.wrap(list(argv)), **kw)

@@ -377,7 +377,7 @@ def test_container_launch_is_one_pct_exec_and_hostile_tags_make_none(pve):
     ct = make_ct(pve, 304)
     try:
         t = ct_target(pve, ct)
-        t.agent("echo")  # the first call pushes the bundle; from then on a launch is one exec
+        t.agent("echo")  # first contact (bundle inline); from then on a launch is one exec
         pve.clear_pct_calls()
         for tag in HOSTILE_TAGS:
             with pytest.raises(UserError):

@@ -77,7 +77,7 @@ def test_container_warmup_is_one_pct_exec_one_process_per_drafter_gpu_in_order(p
         # compile off and device cpu: this box has no GPU; the processes, their order and events are real.
         spec = dflash_spec(model, layout={"target_gpus": [4], "drafter_gpus": [5, 6]}, compile_on=False, target="ct")
         t = ContainerTarget(name="ct311", workdir=ct.workdir, transport=pve.pct_transport(311))
-        t.agent("echo")  # the first call pushes the bundle; from then on a warm-up is one exec
+        t.agent("echo")  # first contact (bundle inline); from then on a warm-up is one exec
         pve.clear_pct_calls()
         events: list[dict] = []
         res = warmup(t, spec, on_event=events.append, device="cpu")
