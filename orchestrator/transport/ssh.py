@@ -96,6 +96,7 @@ class SSHTransport:
             "auth_timeout": self.connect_timeout,
             "channel_timeout": self.connect_timeout,
         }
+        kwargs["transport_factory"] = _gcm_first_transport
         if self.identity_file:
             kwargs.update(key_filename=[self.identity_file], look_for_keys=False, allow_agent=False)
         target = self.ssh_config_alias or self.hostname
@@ -333,6 +334,23 @@ class SSHTransport:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _gcm_first_transport(sock, **kwargs):
+    """A paramiko Transport that offers AES-GCM ciphers first (the rest of its list follows, unchanged).
+
+    paramiko handles every incoming packet in Python: with AES-CTR that is a decrypt of the length block,
+    a decrypt of the rest and an HMAC; with GCM one AEAD call. That is ~0.05 ms less per streamed log
+    line (bench/follow_latency.py). A server without GCM negotiates the next cipher as before.
+    """
+    import paramiko
+
+    transport = paramiko.Transport(sock, **kwargs)
+    options = transport.get_security_options()
+    ciphers = tuple(options.ciphers)
+    gcm = tuple(c for c in ciphers if "-gcm" in c)
+    options.ciphers = gcm + tuple(c for c in ciphers if c not in gcm)
+    return transport
 
 
 def _pump(chan, recv, sink: list[bytes], callback: StreamCallback | None, tail: bytearray, errors: list) -> None:

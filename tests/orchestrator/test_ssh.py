@@ -120,6 +120,15 @@ def test_tcp_nodelay_and_keepalive_are_on(ssh):
     assert transport.packetizer._Packetizer__keepalive_interval == 15
 
 
+def test_aes_gcm_is_negotiated_first(ssh):
+    # One AEAD call per packet in paramiko's Python loop instead of CTR + HMAC (follow latency).
+    ssh.connect()
+    transport = ssh._conn.client.get_transport()
+    assert transport.remote_cipher.endswith("-gcm@openssh.com"), transport.remote_cipher
+    assert transport.local_cipher.endswith("-gcm@openssh.com"), transport.local_cipher
+    assert ssh.run(["echo", "ok"]).stdout == b"ok\n"
+
+
 def test_reconnects_once_when_the_connection_died(ssh):
     assert ssh.run(["true"]).exit_code == 0
     ssh._conn.client.get_transport().sock.shutdown(socket.SHUT_RDWR)  # the network dropped
