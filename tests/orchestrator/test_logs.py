@@ -328,16 +328,26 @@ def test_outcome_json_shape():
 CT_WRITER = textwrap.dedent(
     """
     import os, sys, time
-    n, batch, pause, release = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-    for start in range(0, n - 1, batch):
-        sys.stdout.write("".join("line %06d\\n" % i for i in range(start, min(n - 1, start + batch))))
-        sys.stdout.flush()
-        time.sleep(pause)
-    # hold the last line back until the test has made all its cuts, so every cut falls inside the run
-    deadline = time.time() + 120
-    while not os.path.exists(release) and time.time() < deadline:
-        time.sleep(0.05)
-    sys.stdout.write("line %06d\\n" % (n - 1))
+    n, chunks, gate = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+    def granted():
+        try:
+            with open(gate) as f:
+                return int(f.read() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    size = -(-n // chunks)
+    deadline = time.time() + 300  # the test died: do not wait for it forever
+    for c in range(chunks):
+        # chunk c only once the test has granted it: the run cannot finish before the test has made its cuts
+        while granted() < c and time.time() < deadline:
+            time.sleep(0.02)
+        stop = min(n, (c + 1) * size)
+        for start in range(c * size, stop, 120):  # small batches: a cut lands while lines are being written
+            sys.stdout.write("".join("line %06d\\n" % i for i in range(start, min(stop, start + 120))))
+            sys.stdout.flush()
+            time.sleep(0.01)
     """
 )
 
@@ -358,7 +368,8 @@ def start_ct_run(ct, run_id: str, experiment: str, argv: list[str]) -> Path:
 
 
 def sshd_children(main_pid: int) -> list[int]:
-    """The per-connection sshd processes (children of the listening sshd)."""
+    """The live per-connection sshd processes (children of the listening sshd; zombies left out: killing one
+    cuts nothing)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -366,7 +377,8 @@ def sshd_children(main_pid: int) -> list[int]:
                 stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == main_pid:
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == main_pid and fields[0] != "Z":
                 out.append(int(entry))
     return out
 
@@ -375,49 +387,82 @@ def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
     from orchestrator.target import ContainerTarget
 
     ct = fake_pve.create_container(231, gpus=0)
-    n = 100_000
-    run = start_ct_run(ct, "cut-1", "cutexp", ["python3", "-c", CT_WRITER, str(n), "400", "0.05",
-                                               str(Path(ct.workdir) / "release")])
+    n, cuts_wanted = 100_000, 20
+    chunks = cuts_wanted + 1
+    size = -(-n // chunks)
+    gate = Path(ct.workdir) / "gate"
+    run = start_ct_run(ct, "cut-1", "cutexp", ["python3", "-c", CT_WRITER, str(n), str(chunks), str(gate)])
     target = ContainerTarget(name="ct231", workdir=ct.workdir, transport=fake_pve.pct_transport(231))
     lines: list[str] = []
-    events: list[str] = []
-    cuts: list[int] = []
-    stop = threading.Event()
+    statuses: list[str] = []
+    # the number of reconnects (statuses) when the last event and the last numbered line arrived: an event
+    # seen at the current count came over the connection that is open now
+    seen = {"event_gen": -1, "last_line": -1}
+    cuts: list[dict] = []
+    problem: list[str] = []
+
+    def on_line(line: str) -> None:
+        lines.append(line)
+        if line.startswith("line "):
+            seen["last_line"] = int(line[5:])
+
+    def on_event(ev: dict) -> None:
+        seen["event_gen"] = len(statuses)
+
+    def grant(c: int) -> None:
+        tmp = gate.with_name("gate.tmp")
+        tmp.write_text(str(c))
+        os.replace(tmp, gate)
+
+    def wait_for(what: str, cond, timeout: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                problem.append(f"cut {len(cuts) + 1}: timed out waiting for {what}")
+                return False
+            time.sleep(0.01)
+        return True
 
     def cutter() -> None:
-        # Sever the SSH connection (kill the sshd process serving it) each time the follow has made progress
-        # on a fresh connection; after 20 cuts let the writer finish.
-        seen = 0
-        while not stop.is_set() and len(cuts) < 20:
-            time.sleep(random.uniform(0.15, 0.35))
-            if len(events) <= seen:
-                continue  # no event yet on this connection: wait for the reconnect to be serving
-            victims = sshd_children(fake_pve._sshd.pid)
-            for pid in victims:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if victims:
-                cuts.append(not (run / "exit.json").exists())  # True: the run was still going
-                seen = len(events)
-        Path(ct.workdir, "release").touch()
+        # Cut k: once the follow is serving on its current connection and has shown a line of chunk k-1,
+        # sever that connection for real (SIGKILL the sshd processes serving it), wait until the follow has
+        # noticed (one more reconnect status), and only then let the writer go on to chunk k. The writer
+        # can never run ahead of the cuts, so all of them fall inside the run, however loaded the machine.
+        try:
+            for k in range(1, cuts_wanted + 1):
+                if not wait_for(f"a line of chunk {k - 1} on the live connection",
+                                lambda: seen["event_gen"] == len(statuses) and seen["last_line"] >= (k - 1) * size):
+                    return
+                before = len(statuses)
+                victims = sshd_children(fake_pve._sshd.pid)
+                for pid in victims:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                cuts.append({"killed": len(victims), "run_going": not (run / "exit.json").exists(),
+                             "mid_chunk": seen["last_line"] < min(n, k * size) - 1})
+                if not wait_for("the follow to notice the cut", lambda: len(statuses) > before):
+                    return
+                grant(k)
+        finally:
+            grant(chunks)  # whatever happened, let the writer finish so the follow ends
 
     t = threading.Thread(target=cutter, daemon=True)
     t.start()
     try:
-        out = follow(target, "cut-1", on_line=lines.append, on_event=lambda ev: events.append(ev["event"]),
+        out = follow(target, "cut-1", on_line=on_line, on_event=on_event, on_status=statuses.append,
                      backoff=FAST, heartbeat=1.0)
     finally:
-        stop.set()
-        Path(ct.workdir, "release").touch()
+        grant(chunks)
         target.close()
     t.join(10)
-    assert len(cuts) == 20
-    assert all(cuts), "every cut fell inside the run"
+    assert not problem, problem
+    assert len(cuts) == cuts_wanted and all(c["killed"] and c["run_going"] for c in cuts), cuts
     assert numbered(lines) == [f"line {i:06d}" for i in range(n)]  # each exactly once, in order
     assert out.state == "succeeded" and out.exit_code == 0 and json.loads((run / "exit.json").read_text())["exit_code"] == 0
-    assert out.reconnects >= 20
+    # every cut was noticed: a reconnect each (the cutter waited for it before letting the writer on)
+    assert out.reconnects == len(statuses) >= cuts_wanted, statuses
     # one pct exec per (re)connect; the first use also copies the bundle in (a refused exec, the copy, again)
     assert len(fake_pve.pct_exec_calls(231)) <= out.reconnects + 3
 
