@@ -199,7 +199,6 @@ class LineCursor:
 
 _IN_MODIFY = 0x2
 _IN_ATTRIB = 0x4
-_IN_CLOSE_WRITE = 0x8
 _IN_MOVED_TO = 0x80
 _IN_CREATE = 0x100
 
@@ -219,7 +218,9 @@ class DirWatcher:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
             fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
             if fd >= 0:
-                mask = _IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE
+                # No IN_CLOSE_WRITE: a close changes no content (the write already raised IN_MODIFY), and a
+                # writer that opens the log per line would wake us twice per line, the second time for nothing.
+                mask = _IN_MODIFY | _IN_ATTRIB | _IN_MOVED_TO | _IN_CREATE
                 if libc.inotify_add_watch(fd, os.fsencode(str(directory)), mask) >= 0:
                     self._fd = fd
                 else:
