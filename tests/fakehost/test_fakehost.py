@@ -1,5 +1,6 @@
 """The fake Proxmox host behaves like the real parts it stands in for (reference/remote-stack.md §1)."""
 
+import os
 import time
 
 import pytest
@@ -40,7 +41,9 @@ def test_pct_list_format(host, ct, fake_pve):
         fake_pve.remove_container(221)
 
 
-def test_pct_list_on_an_empty_node_prints_nothing(tmp_path, capsys):
+def test_pct_list_on_an_empty_node_prints_nothing(tmp_path, capsys, monkeypatch):
+    # main() resets PATH like real pct does; in-process that would leak into every later test.
+    monkeypatch.setenv("PATH", os.environ["PATH"])
     (tmp_path / "node").write_text("empty\n")
     (tmp_path / "etc/pve/nodes/empty/lxc").mkdir(parents=True)
     assert pct_impl.main(["list"], base=tmp_path) == 0
