@@ -458,7 +458,9 @@ def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
         target.close()
     t.join(10)
     assert not problem, problem
-    assert len(cuts) == cuts_wanted and all(c["killed"] and c["run_going"] for c in cuts), cuts
+    assert len(cuts) == cuts_wanted and all(c["killed"] and c["run_going"] for c in cuts), (
+        cuts, {"state": out.state, "exit": out.exit, "reconnects": out.reconnects, "lines": len(lines),
+               "statuses": statuses[-5:]})
     assert numbered(lines) == [f"line {i:06d}" for i in range(n)]  # each exactly once, in order
     assert out.state == "succeeded" and out.exit_code == 0 and json.loads((run / "exit.json").read_text())["exit_code"] == 0
     # every cut was noticed: a reconnect each (the cutter waited for it before letting the writer on)
