@@ -248,14 +248,8 @@ def launch(
         "resume": resume,
         "warmup_device": warmup_device,
     }
-    try:
-        data = target.agent("launch", request, on_event=on_event, timeout=timeout)
-    except AgentError as exc:
-        if exc.agent_type in REFUSALS:
-            err = PreflightError(f"launch {spec.experiment} on {spec.target} refused: {exc.message}", fix=exc.fix)
-            err.agent_type, err.data = exc.agent_type, exc.data  # type: ignore[attr-defined]
-            raise err from None
-        raise
+    data = agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
+                           on_event=on_event, timeout=timeout)
     result = LaunchResult(
         run_id=data["run_id"],
         run_dir=data["run_dir"],
@@ -291,3 +285,17 @@ def launch(
         })
         result.record_path = str(path)
     return result
+
+
+def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: str, *, on_event=None,
+                    timeout: float | None = None) -> dict:
+    """One agent call; an error event whose type is in `refusals` becomes a PreflightError ("<what> refused:
+    ...") carrying the agent's type and data, anything else propagates as the AgentError it is."""
+    try:
+        return target.agent(verb, request, on_event=on_event, timeout=timeout)
+    except AgentError as exc:
+        if exc.agent_type in refusals:
+            err = PreflightError(f"{what} refused: {exc.message}", fix=exc.fix)
+            err.agent_type, err.data = exc.agent_type, exc.data  # type: ignore[attr-defined]
+            raise err from None
+        raise

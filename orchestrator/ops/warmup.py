@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from orchestrator.errors import AgentError, PreflightError, UserError
+from orchestrator.errors import UserError
 
 REFUSALS = {"GpuBusy", "LockHeld"}
 
@@ -65,13 +65,9 @@ def warmup(
         "gpu_idle_mib": spec.gpu_idle_mib,
         "device": device,
     }
-    try:
-        data = target.agent("warmup", request, on_event=on_event, timeout=timeout)
-    except AgentError as exc:
-        if exc.agent_type in REFUSALS:
-            err = PreflightError(f"warmup {spec.experiment} on {spec.target} refused: {exc.message}", fix=exc.fix)
-            err.agent_type, err.data = exc.agent_type, exc.data  # type: ignore[attr-defined]
-            raise err from None
-        raise
+    from orchestrator.ops.launch import agent_or_refuse
+
+    data = agent_or_refuse(target, "warmup", request, REFUSALS, f"warmup {spec.experiment} on {spec.target}",
+                           on_event=on_event, timeout=timeout)
     return WarmupResult(experiment=spec.experiment, target=spec.target, cache_dir=data.get("cache_dir") or "",
                         dir=data.get("dir") or "", warmups=list(data.get("warmups") or []))
