@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import random
 import signal
 import subprocess
@@ -360,7 +361,11 @@ def start_ct_run(ct, run_id: str, experiment: str, argv: list[str]) -> Path:
     (run / "run.json").write_text(json.dumps({"experiment": experiment, "run_id": run_id,
                                               "created": "2026-01-01T00:00:00Z"}))
     session = f"dflash-{experiment}"
-    res = ct.exec(["tmux", "new-session", "-d", "-s", session, render(["bash", str(START), str(run), "--", *argv]),
+    # The container sees its own /tmp: a checkout under /tmp (CI's clone, say) is invisible in there, so the
+    # script travels into the run's workdir first, as launch's bundle does.
+    start = Path(ct.workdir) / "start_training.sh"
+    shutil.copyfile(START, start)
+    res = ct.exec(["tmux", "new-session", "-d", "-s", session, render(["bash", str(start), str(run), "--", *argv]),
                    ";", "set-option", "-t", session, "remain-on-exit", "on",
                    ";", "set-option", "-t", session, "@dflash_run", run_id])
     assert res.returncode == 0, res.stderr
