@@ -170,7 +170,6 @@ def _drafter_loop(run: _DrafterRun, fetch, wrap, resume_step_agreed: Callable[[i
     `wrap(module)` returns what the forward goes through (DDP or the module); `resume_step_agreed(step)`
     makes every rank agree on the step to resume from and returns it.
     """
-    from trainer.distributed import STATS
     from trainer.export import export_drafter
     from trainer.model import DFlashDrafter
     from trainer.objective import dflash_loss

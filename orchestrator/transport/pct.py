@@ -115,7 +115,7 @@ def classify(res: Result, ctid: int, host: str, pct: str = "pct", sudo: bool = F
         return SudoRequired(
             f"sudo on {host} wants a password to run {pct}",
             result=res,
-            fix=f"allow it without one (visudo: `USER ALL=(root) NOPASSWD: /usr/sbin/pct`), or connect as root",
+            fix="allow it without one (visudo: `USER ALL=(root) NOPASSWD: /usr/sbin/pct`), or connect as root",
         )
     if sudo and SUDO_MISSING_RE.search(text):
         return SudoRequired(

@@ -256,7 +256,7 @@ def test_dflash_launch_of_the_embedded_tiny_experiment_starts_the_real_trainer(t
 
 
 def test_warmup_argv_golden(tmp_path):
-    from orchestrator.agent.verbs.launch import warmup_argv
+    from orchestrator.agent.warmup import warmup_argv
 
     assert warmup_argv("/v/bin/python", tmp_path / "config.json") == [
         "/v/bin/python", "-m", "trainer.warmup", "--config", str(tmp_path / "config.json"), "--device", "cuda"]

@@ -30,7 +30,6 @@ from orchestrator.agent import resume
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.verbs import stop as stopverb
-from orchestrator.agent.warmup import warmup_argv  # noqa: F401 - re-exported (tests, older callers)
 from orchestrator.transport.quoting import render
 
 SCRIPT_NAME = "start_training.sh"
