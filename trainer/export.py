@@ -14,11 +14,19 @@ import json
 import os
 import shutil
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 import torch
 
-REFERENCE_CODE = Path(__file__).resolve().parent / "reference" / "dflash.py"
+
+def reference_code() -> bytes:
+    """The self-contained remote code shipped beside every export (trainer/reference/dflash.py).
+
+    Read as package data, never through ``__file__``: in a container the trainer runs from the bundle zip
+    (``PYTHONPATH=<hash>.zip``), where the package directory is not a directory on disk.
+    """
+    return resources.files("trainer").joinpath("reference/dflash.py").read_bytes()
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -122,7 +130,7 @@ def export_drafter(drafter, target, out_dir: str | Path, *, dtype: torch.dtype =
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; an export is meant to be shared
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(draft_config_dict(drafter, target, dtype), indent=2) + "\n")
-        shutil.copyfile(REFERENCE_CODE, tmp / "dflash.py")
+        (tmp / "dflash.py").write_bytes(reference_code())
         for name in ("model.safetensors", "config.json", "dflash.py"):
             _fsync_file(tmp / name)
         _fsync_dir(tmp)

@@ -13,10 +13,14 @@ from safetensors import safe_open
 
 from conftest import MASK_ID, small_model_config
 from trainer.evaluate import acceptance_length
-from trainer.export import REFERENCE_CODE, export_drafter
+from pathlib import Path
+
+from trainer.export import export_drafter
 from trainer.model import DFlashDrafter
 
 BS = 4
+# The checked-in remote code (the export must ship exactly these bytes).
+REFERENCE_CODE = Path(__file__).resolve().parents[2] / "trainer" / "reference" / "dflash.py"
 
 
 def _drafter(target, layers=5, seed=0):
@@ -115,7 +119,7 @@ def test_export_replaces_atomically_and_leaves_no_temporaries(qwen3_target, tmp_
     def fail(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(export_mod.shutil, "copyfile", fail)
+    monkeypatch.setattr(export_mod, "reference_code", fail)
     with pytest.raises(OSError, match="disk full"):
         export_drafter(_drafter(qwen3_target, layers=2, seed=2), qwen3_target, dest)
     monkeypatch.undo()
@@ -141,3 +145,30 @@ def test_reference_code_is_self_contained():
     done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd="/")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "DFlashDraftModel"
+
+
+def test_export_from_the_bundle_zip(tmp_path):
+    """In a container the trainer runs from the bundle zip (PYTHONPATH=<hash>.zip): package data must be read
+    as package data. Reading trainer/reference/dflash.py through __file__ died here with NotADirectoryError,
+    after a whole training run."""
+    from orchestrator.bundle import build_bundle
+
+    bundle = build_bundle()
+    zpath = tmp_path / bundle.filename
+    zpath.write_bytes(bundle.data)
+    conftest_dir = Path(__file__).resolve().parent
+    code = (
+        "import sys, trainer, trainer.export as e\n"
+        f"assert trainer.__file__.startswith({str(zpath)!r}), trainer.__file__\n"
+        "from conftest import MASK_ID, small_model_config, build_target\n"
+        "from trainer.model import DFlashDrafter\n"
+        "t = build_target('qwen3', layers=6, layer_ids=(1, 2, 3))\n"
+        "d = DFlashDrafter.from_target(small_model_config(num_draft_layers=2), t, MASK_ID)\n"
+        f"out = e.export_drafter(d, t, {str(tmp_path / 'export')!r})\n"
+        "print(sorted(p.name for p in out.iterdir()))\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": f"{zpath}:{conftest_dir}"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "['config.json', 'dflash.py', 'model.safetensors']"
+    assert (tmp_path / "export" / "dflash.py").read_bytes() == REFERENCE_CODE.read_bytes()
