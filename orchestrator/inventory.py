@@ -9,7 +9,8 @@ user config dir (`<platformdirs user_config_dir>/dflashctl/inventory.yaml`), the
 in this package (`orchestrator/default_inventory.yaml`, the same text as the repository's inventory.yaml).
 
 Every name that can reach a shell or a path (host, target, venv, experiment keys; tags, sessions, run ids
-given on the command line) must match `SAFE_NAME`: no slashes, no `..`, no shell metacharacters.
+given on the command line) follows the one rule of `orchestrator.names`: no slashes, no `..`, no newline,
+no shell metacharacters.
 """
 
 from __future__ import annotations
@@ -26,28 +27,37 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from orchestrator import names
 from orchestrator.errors import InventoryError, UserError
 from trainer.config import TrainConfig
 
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENV_VAR = "DFLASHCTL_INVENTORY"
 EMBEDDED = "<embedded default inventory>"
 DEFAULT_RESOURCE = "default_inventory.yaml"
 
 
 def check_name(kind: str, value: str) -> str:
-    """Return `value` if it is a safe name for a `kind` (experiment, target, tag, session, run id, venv ...).
+    """Return `value` if it is a valid `kind` name (experiment, target, tag, host, venv ...): names.check.
 
     Raises:
-        UserError: the name is empty, too long, has a slash, `..`, or any character outside [A-Za-z0-9._-].
+        UserError: the name is empty, too long, has `..`, or any character outside [A-Za-z0-9._-].
     """
-    if not isinstance(value, str) or not SAFE_NAME.match(value) or ".." in value:
-        raise UserError(
-            f"bad {kind} name {value!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting with a letter "
-            "or digit, no '..' and no slashes",
-            fix=f"pick a {kind} name like 'exp-1' or 'run_2'",
-        )
-    return value
+    try:
+        return names.check(kind, value)
+    except names.BadName as exc:
+        raise UserError(exc.message, fix=exc.fix) from None
+
+
+def check_run_ref(value: str, kind: str = "run id") -> str:
+    """Return `value` if it can name a run (a run id, its prefix, or an experiment): names.check_run_id.
+
+    Raises:
+        UserError: it breaks the name rule or is longer than the longest run id launch can make.
+    """
+    try:
+        return names.check_run_id(value, kind)
+    except names.BadName as exc:
+        raise UserError(exc.message, fix=exc.fix) from None
 
 
 def suggest(word: str, choices: Iterable[str]) -> str | None:
@@ -502,8 +512,8 @@ def _check_references(inv: Inventory, lines: dict, source: str) -> list[str]:
 
     for section in ("hosts", "targets", "venvs", "experiments"):
         for name in getattr(inv, section):
-            if not SAFE_NAME.match(name) or ".." in name:
-                err((section, name), "unsafe name: use A-Z a-z 0-9 . _ - (no slashes, no '..', at most 64)")
+            if not names.is_valid(name):
+                err((section, name), f"unsafe name: use 1-{names.NAME_MAX} characters from {names.RULE}")
 
     for name, t in inv.targets.items():
         ref(("targets", name, "venv"), "venv profile", t.venv, inv.venvs)
@@ -538,7 +548,7 @@ def _check_references(inv: Inventory, lines: dict, source: str) -> list[str]:
             if dup:
                 err(("experiments", name, "gpus"), f"GPU {dup} listed twice")
             for key in e.env:
-                if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                     err(("experiments", name, "env", key), "not a valid environment variable name")
     return errs
 

@@ -10,13 +10,13 @@ import traceback
 
 from orchestrator.agent.protocol import AgentFailure, Emitter
 
-_VERB = re.compile(r"^[a-z][a-z0-9_-]{0,40}$")
+_VERB = re.compile(r"[a-z][a-z0-9_-]{0,40}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     emit = Emitter()
-    if len(argv) != 1 or not _VERB.match(argv[0]):
+    if len(argv) != 1 or not _VERB.fullmatch(argv[0]):
         emit.error("BadVerb", f"usage: python -m orchestrator.agent VERB (got {argv!r})")
         return 2
     verb = argv[0].replace("-", "_")

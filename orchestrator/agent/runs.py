@@ -17,14 +17,13 @@ import datetime as _dt
 import fcntl
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator import names
 from orchestrator.agent.protocol import AgentFailure
 
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$")
 LOCK_NAME = "launch.lock"
 # How much of metrics.jsonl's end is read for the last tokens/s (lines are short; this is dozens of them).
 _METRICS_TAIL = 64 * 1024
@@ -46,10 +45,20 @@ def parse_time(text: str | None) -> float | None:
 
 
 def check_run_id(run_id: str) -> str:
-    """Return run_id if it is safe as one path component, else raise AgentFailure("BadRunId")."""
-    if not isinstance(run_id, str) or not RUN_ID.match(run_id) or ".." in run_id:
-        raise AgentFailure("BadRunId", f"bad run id {run_id!r}: only A-Z a-z 0-9 . _ - allowed, no '..'")
-    return run_id
+    """Return run_id if it is a run id by names.check_run_id (safe as one path component), else raise
+    AgentFailure("BadRunId")."""
+    try:
+        return names.check_run_id(run_id)
+    except names.BadName as exc:
+        raise AgentFailure("BadRunId", exc.message, fix=exc.fix) from None
+
+
+def check_name(kind: str, value: str) -> str:
+    """Return value if it is a valid `kind` name by names.check, else raise AgentFailure("BadName")."""
+    try:
+        return names.check(kind, value)
+    except names.BadName as exc:
+        raise AgentFailure("BadName", exc.message, fix=exc.fix) from None
 
 
 def runs_root(workdir: str | Path) -> Path:
@@ -98,14 +107,15 @@ def create_run_dir(workdir: str | Path, run_id: str) -> tuple[str, Path]:
     check_run_id(run_id)
     root = runs_root(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 100):
-        rid = run_id if n == 1 else f"{run_id}-{n}"
+    for n in range(1, names.CLASH_MAX + 1):
+        rid = names.clash_variant(run_id, n)
         try:
             (root / rid).mkdir()
             return rid, root / rid
         except FileExistsError:
             continue
-    raise AgentFailure("RunDirExists", f"runs/{run_id} and 98 suffixed variants already exist in {root}")
+    raise AgentFailure("RunDirExists",
+                       f"runs/{run_id} and {names.CLASH_MAX - 1} suffixed variants already exist in {root}")
 
 
 def parse_records(lines) -> tuple[list[dict], int]:
@@ -172,7 +182,7 @@ class RunRef:
         """The tmux session the run lives in: run.json's `session`, else `dflash-<experiment>`."""
         if self.info.get("session"):
             return str(self.info["session"])
-        return f"dflash-{self.experiment}" if self.experiment else None
+        return names.session_name(self.experiment) if names.is_valid(self.experiment) else None
 
     @property
     def log(self) -> Path:
@@ -207,7 +217,7 @@ def run_refs(workdir: str | Path) -> list[RunRef]:
     root = runs_root(workdir)
     if not root.is_dir():
         return []
-    refs = [load_ref(p) for p in root.iterdir() if p.is_dir() and RUN_ID.match(p.name)]
+    refs = [load_ref(p) for p in root.iterdir() if p.is_dir() and names.is_valid(p.name, names.RUN_ID_MAX)]
     return sorted(refs, key=created_key)
 
 
@@ -219,7 +229,7 @@ def resolve_run(workdir: str | Path, run_id: str | None = None, experiment: str 
             newest runs there are).
     """
     if run_id is not None:
-        if not RUN_ID.match(str(run_id)) or ".." in str(run_id):
+        if not names.is_valid(run_id, names.RUN_ID_MAX):
             raise AgentFailure("RunNotFound", f"{run_id!r} is not a valid run id", fix="dflashctl runs")
         path = runs_root(workdir) / run_id
         if path.is_dir():

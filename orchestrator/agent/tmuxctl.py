@@ -1,6 +1,6 @@
 """tmux inside the target, through libtmux: the sessions runs live in.
 
-A run's session is `dflash-<experiment>` on the target's default tmux server (the one `tmux attach -t
+A run's session is `dflash-<experiment>` (orchestrator.names.session_name) on the target's default tmux server (the one `tmux attach -t
 dflash-<experiment>` reaches by hand; in a container /tmp, and so the server, is the container's own).
 Each session carries the user option `@dflash_run` = the run id, so a run's state is read from the session
 that really runs it, never from a later run of the same experiment.
@@ -11,9 +11,10 @@ tmux commands run through the tmux CLI directly.
 
 from __future__ import annotations
 
+from orchestrator import names
 from orchestrator.agent.protocol import AgentFailure
 
-SESSION_PREFIX = "dflash-"
+SESSION_PREFIX = names.SESSION_PREFIX
 RUN_OPTION = "@dflash_run"
 # One `list-panes -a` answers for every session at once (one tmux round trip for status).
 _FIELDS = ("session_name", "pane_pid", "pane_dead", "pane_dead_status", "session_created", RUN_OPTION)
@@ -24,8 +25,15 @@ _NO_SERVER = ("no server running", "error connecting to", "no such file or direc
 
 
 def session_name(experiment: str) -> str:
-    """The tmux session of an experiment's runs: `dflash-<experiment>`."""
-    return SESSION_PREFIX + experiment
+    """The tmux session of an experiment's runs: names.session_name (`dflash-<experiment>`, `.` as `_`).
+
+    Raises:
+        AgentFailure("BadName"): not a valid experiment name.
+    """
+    try:
+        return names.session_name(experiment)
+    except names.BadName as exc:
+        raise AgentFailure("BadName", exc.message, fix=exc.fix) from None
 
 
 class _CliResult:

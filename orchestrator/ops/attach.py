@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 
+from orchestrator import names
 from orchestrator.errors import UserError
 from orchestrator.transport.quoting import render
-
-SESSION_PREFIX = "dflash-"
 
 
 def tmux_attach_argv(session: str, read_only: bool = False) -> list[str]:
@@ -112,19 +111,23 @@ def session_for(ref: str, inv=None) -> tuple[str, str | None, str | None]:
     A recorded run gives its experiment and target; else `ref` must be an experiment of the inventory.
 
     Raises:
+        UserError: `ref` (or the record's experiment) breaks the name rule.
         RunNotFound / InventoryError: neither a recorded run nor an experiment.
     """
     from orchestrator.errors import RunNotFound
+    from orchestrator.inventory import check_name, check_run_ref
     from orchestrator.records import find_record
 
+    check_run_ref(ref, "run id or experiment")
     try:
         rec = find_record(ref)
-        return SESSION_PREFIX + rec["experiment"], rec["experiment"], rec.get("target")
+        experiment = check_name("experiment", rec["experiment"])
+        return names.session_name(experiment), experiment, rec.get("target")
     except RunNotFound:
         if inv is None or ref not in getattr(inv, "experiments", {}):
             raise
     exp = inv.experiment(ref)
-    return SESSION_PREFIX + ref, ref, exp.target
+    return names.session_name(ref), ref, exp.target
 
 
 def exec_attach(argv: list[str]) -> None:  # pragma: no cover - replaces the process

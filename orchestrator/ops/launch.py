@@ -11,19 +11,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orchestrator import names
 from orchestrator.errors import AgentError, PreflightError, UserError
+from orchestrator.inventory import check_name, check_run_ref
 
 # Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
 REFUSALS = {"GpuBusy", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch", "NothingToResume"}
 DEFAULT_GRACE_S = 20.0
 DEFAULT_RELEASE_TIMEOUT_S = 120.0
-
-
-def check_name(kind: str, value: str) -> str:
-    """The inventory's name rule (safe in paths and shells); see orchestrator.inventory.check_name."""
-    from orchestrator.inventory import check_name as _check
-
-    return _check(kind, value)
 
 
 @dataclass
@@ -64,10 +59,11 @@ class LaunchSpec:
 
 
 def make_run_id(experiment: str, tag: str | None, now: _dt.datetime | None = None) -> str:
-    """`<experiment>[-<tag>]-<YYYYmmddTHHMMSSZ>` (UTC); only safe characters, since the parts are checked."""
-    now = now or _dt.datetime.now(_dt.timezone.utc)
-    stamp = now.astimezone(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return "-".join(p for p in (experiment, tag, stamp) if p)
+    """`<experiment>[-<tag>]-<YYYYmmddTHHMMSSZ>` (UTC): names.run_id, with a UserError for a bad name."""
+    check_name("experiment", experiment)
+    if tag is not None:
+        check_name("tag", tag)
+    return names.run_id(experiment, tag, now)
 
 
 def spec_from_inventory(inv, experiment: str, target: str | None = None, tag: str | None = None) -> LaunchSpec:
@@ -130,20 +126,6 @@ def trainer_config(name: str, exp) -> dict:
     except ConfigError as exc:
         raise UserError(str(exc), fix=f"fix experiments.{name} (layout / trainer sections)") from None
     return config
-
-
-def check_run_ref(value: str) -> str:
-    """A run id given on the command line (`--resume RUN`): safe as one path component.
-
-    Raises:
-        UserError: anything but A-Z a-z 0-9 . _ - (at most 160, no '..').
-    """
-    import re
-
-    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$", value or "") or ".." in value:
-        raise UserError(f"bad run id {value!r}: only A-Z a-z 0-9 . _ - allowed, no '..'",
-                        fix="copy the run id from `dflashctl status` or `dflashctl runs`")
-    return value
 
 
 def _expected_lock_hash(vspec) -> str | None:

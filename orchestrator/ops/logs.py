@@ -443,10 +443,10 @@ def resolve(inv, ref: str | None, target: str | None) -> tuple[str, str | None, 
     Raises:
         UserError: the name is not a safe run id.
     """
-    from orchestrator.inventory import check_name
+    from orchestrator.inventory import check_run_ref
 
     if ref is not None:
-        check_name("run", ref)
+        check_run_ref(ref, "run id or experiment")
         if ref in inv.experiments:
             exp = inv.experiments[ref]
             return target or exp.target, None, ref

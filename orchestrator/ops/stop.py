@@ -41,9 +41,9 @@ def stop(
         RunNotFound: the target has no such run.
         AgentError: the run survived SIGKILL, or GPUs stayed busy.
     """
-    from orchestrator.inventory import check_name
+    from orchestrator.inventory import check_run_ref
 
-    check_name("run id", run_id)
+    check_run_ref(run_id)
     request = {"run_id": run_id, "grace_s": grace_s, "gpus": gpus or [], "gpu_idle_mib": gpu_idle_mib}
     # Worst case: two grace periods, the post-SIGKILL wait, and the GPU release wait.
     timeout = 2 * grace_s + 60 + (150 if gpus else 0)

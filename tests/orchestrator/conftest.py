@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +34,25 @@ def local_target(tmp_path) -> LocalTarget:
     wd = tmp_path / "work"
     wd.mkdir(exist_ok=True)
     return LocalTarget(name="local", workdir=str(wd), transport=LocalTransport())
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def dflashctl():
+    """Run the INSTALLED `dflashctl` console script (found on PATH, as a user types it) in a subprocess,
+    with this checkout first on PYTHONPATH. Returns run(*args, env=None, timeout=120, cwd=None)."""
+    exe = shutil.which("dflashctl")
+    if exe is None:
+        # Not a skip: the console script is what users run (`pip install -e .` puts it on PATH, see .ci/run).
+        pytest.fail("the dflashctl console script is not on PATH: pip install -e . (see .ci/run)")
+
+    def run(*args: str, env: dict | None = None, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
+        full = dict(os.environ if env is None else env)
+        full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full.get("PYTHONPATH")) if p)
+        full.setdefault("COLUMNS", "200")
+        return subprocess.run([exe, *args], capture_output=True, text=True, env=full, timeout=timeout, cwd=cwd,
+                              stdin=subprocess.DEVNULL)
+
+    return run

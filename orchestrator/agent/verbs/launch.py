@@ -12,8 +12,8 @@ message).
 Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, resumed_from, dry_run,
          config (kind dflash: as written to config.json), env_fingerprint, bundle_hash, plan: {...} (dry run)}
 Refusals (AgentFailure types): LockHeld, SessionExists, GpuBusy, VenvMismatch, ResumeNotFound,
-ResumeMismatch, NothingToResume, BadRequest. A failed warm-up is WarmupFailed and a failed seeding of a
-resumed run ResumeFailed: either way the run's exit.json is written and no session is started.
+ResumeMismatch, NothingToResume, BadRequest, BadName, BadRunId. A failed warm-up is WarmupFailed and a failed
+seeding of a resumed run ResumeFailed: either way the run's exit.json is written and no session is started.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def run_environment(base: dict[str, str], extra: dict[str, str], request: dict) 
     return env
 
 
-def _preflight_session(name: str, replace: bool) -> dict | None:
+def _preflight_session(name: str, experiment: str, replace: bool) -> dict | None:
     """Refuse (or mark for replacement) a live session of this experiment; clear a dead one.
 
     Returns the live session to replace, or None.
@@ -125,7 +125,7 @@ def _preflight_session(name: str, replace: bool) -> dict | None:
         raise AgentFailure(
             "SessionExists",
             f"tmux session {name} is running run {rid}",
-            fix=f"dflashctl launch {name[len(tmuxctl.SESSION_PREFIX):]} --replace   (or: dflashctl stop {rid})",
+            fix=f"dflashctl launch {experiment} --replace   (or: dflashctl stop {rid})",
             data={"session": name, "run_id": rid},
         )
     return s
@@ -276,8 +276,7 @@ def run(request: dict, emit) -> dict:
     workdir = _need(request, "workdir", str)
     experiment = _need(request, "experiment", str)
     run_id = runs.check_run_id(_need(request, "run_id", str))
-    runs.check_run_id(experiment)
-    session = tmuxctl.session_name(experiment)
+    session = tmuxctl.session_name(runs.check_name("experiment", experiment))
     threshold = int(request.get("gpu_idle_mib", 1024))
     replace = bool(request.get("replace"))
     dry_run = bool(request.get("dry_run"))
@@ -292,7 +291,7 @@ def run(request: dict, emit) -> dict:
     emit.progress("lock", f"holding {lock.path}")
     try:
         replaced = None
-        old = _preflight_session(session, replace)
+        old = _preflight_session(session, experiment, replace)
         if old is not None and old.get("dead_only"):
             tmuxctl.kill_session(session)
             emit.progress("session", f"cleared the finished session {session} (run {old.get('run_id')})")
@@ -407,7 +406,7 @@ def _plan(request, workdir, run_id, session, threshold, replace, emit) -> dict:
     would_stop = None
     if old is not None and not old["dead"]:
         if not replace:
-            _preflight_session(session, False)  # raises SessionExists like the real launch
+            _preflight_session(session, request["experiment"], False)  # raises SessionExists like the real launch
         would_stop = old.get("run_id") or session
     elif old is not None:
         emit.progress("session", f"would clear the finished session {session}")

@@ -28,7 +28,7 @@ _DROP_ENV = ("TMUX", "TMUX_PANE", "CUDA_VISIBLE_DEVICES")
 
 def run(request: dict, emit) -> dict:
     workdir = _need(request, "workdir", str)
-    experiment = runs.check_run_id(_need(request, "experiment", str))
+    experiment = runs.check_name("experiment", _need(request, "experiment", str))
     config = _need(request, "config", dict)
     layout = request.get("layout") or config.get("layout") or {}
     drafters = [int(g) for g in layout.get("drafter_gpus") or []]
