@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -87,31 +86,10 @@ def top_level_modules(dist) -> list[str]:
 
 
 def driver_version() -> str | None:
-    """The NVIDIA driver version, from the kernel module or nvidia-smi (None without a driver)."""
-    try:
-        text = Path("/sys/module/nvidia/version").read_text().strip()
-        if text:
-            return text
-    except OSError:
-        pass
-    try:
-        m = re.search(r"Kernel Module\s+([0-9][0-9.]*)", Path("/proc/driver/nvidia/version").read_text())
-        if m:
-            return m.group(1)
-    except OSError:
-        pass
-    from orchestrator.agent.gpu import find_nvidia_smi
+    """The NVIDIA driver version: the loaded kernel module's, else nvidia-smi's (None without a driver)."""
+    from orchestrator.agent import driver
 
-    smi = find_nvidia_smi()
-    if not smi:
-        return None
-    try:
-        res = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = [ln.strip() for ln in res.stdout.splitlines() if ln.strip()]
-    return lines[0] if res.returncode == 0 and lines else None
+    return driver.kernel_module() or driver.probe(timeout=20).driver
 
 
 # ------------------------------------------------------------------------------ bundle import scanning

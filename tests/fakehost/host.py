@@ -9,6 +9,7 @@ directory over /tmp, so paths under the host's /tmp would vanish inside it):
   <base>/bin/        pct, ctinit (first on the ssh session's PATH)
   <base>/etc/pve/nodes/<node>/lxc/<id>.conf
   <base>/ct/<id>/    a container: tmp/, sbin/ (nvidia-smi + .gpus.json), work/ (the target workdir),
+                     proc-driver/nvidia/version (the host's kernel module, seen as /proc/driver inside),
                      init.pid, ready, init.log
   <base>/pct-calls.jsonl, <base>/pct-delay
 
@@ -36,6 +37,7 @@ DEFAULT_NODE = "pve-test"
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 GPU_MEM_TOTAL = 81559
 DRIVER = "570.133.20"
+DRIVER_CUDA = "12.8"  # the newest CUDA the R570 driver runs, as its nvidia-smi prints it
 SESSION_PATH_TAIL = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -174,6 +176,24 @@ class FakeContainer:
         else:
             raise IndexError(f"CT {self.ctid} has no GPU {index} (it has {len(state['gpus'])})")
         self._write_gpu_state(state)
+
+    def set_driver(self, version: str, cuda: str | None = None) -> None:
+        """Install NVIDIA user-space driver `version` in the container (libnvidia-ml, libcuda, nvidia-smi),
+        running CUDA up to `cuda` (nvidia-smi's "CUDA Version"; None prints N/A)."""
+        state = self.gpu_state()
+        state["driver_version"], state["cuda_version"] = version, cuda
+        self._write_gpu_state(state)
+
+    def set_kernel_module(self, version: str) -> None:
+        """Make the host's loaded NVIDIA kernel module `version`, as this container sees it in
+        /proc/driver/nvidia/version (one module per real host; the fake keeps a copy per container, so
+        tests stay independent)."""
+        d = self.dir / "proc-driver" / "nvidia"
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / "version.tmp"
+        tmp.write_text(f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Tue Mar  4 21:08:24 UTC 2025\n"
+                       "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+        os.replace(tmp, d / "version")
 
     def set_nvidia_error(self, text: str | None) -> None:
         """Make nvidia-smi fail with `text` (exit 9), e.g. a driver/library mismatch; None heals it."""
@@ -322,8 +342,10 @@ class FakePVE:
         for sub in ("tmp", "sbin", "work"):
             (ct.dir / sub).mkdir(parents=True, exist_ok=True)
         (ct.dir / "tmp").chmod(0o1777)
+        ct.set_kernel_module(DRIVER)
         state = {
             "driver_version": DRIVER,
+            "cuda_version": DRIVER_CUDA,
             "name": GPU_NAME,
             "error": None,
             "gpus": [

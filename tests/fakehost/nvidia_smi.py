@@ -2,15 +2,23 @@
 which the container sees as /usr/local/sbin/nvidia-smi (on lxc's default PATH).
 
 The GPUs are described by `.gpus.json` next to this file (written by FakeContainer):
-  {"driver_version": "...", "name": "...", "error": null | "text",
+  {"driver_version": "...", "cuda_version": "12.8", "name": "...", "error": null | "text",
    "gpus": [{"index": 0, "uuid": "GPU-...", "pci_bus_id": "...", "memory_used": 0, "memory_total": 81559}]}
+`driver_version` is the container's own user-space driver (libnvidia-ml, libcuda) and `cuda_version` the
+newest CUDA that driver runs. The kernel module is the host's: like NVML, every call first compares the
+user-space version with the module's version in /proc/driver/nvidia/version (the host's, as a real
+container sees it) and, when they differ, fails as the real tool does: "Failed to initialize NVML:
+Driver/library version mismatch" plus "NVML library version: <major.minor>", exit 18. Without that file
+(a fake host that does not provide it) the check is skipped.
 
 Supported: `--query-gpu=F,F,... --format=csv[,noheader][,nounits]` (fields below), `-i/--id=LIST`, `-L`,
-and no arguments (a short table). Anything else fails like the real tool does.
+and no arguments (the table, with the real header's "Driver Version: X  CUDA Version: Y"). Anything else
+fails like the real tool does.
 """
 
 import json
 import os
+import re
 import sys
 
 FIELDS = {
@@ -32,6 +40,9 @@ FIELDS = {
 }
 
 INVALID = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n"
+KERNEL_VERSION_FILE = "/proc/driver/nvidia/version"
+# NVML's error value for NVML_ERROR_LIB_RM_VERSION_MISMATCH, which nvidia-smi exits with.
+EXIT_LIB_MISMATCH = 18
 
 
 def load() -> dict:
@@ -45,10 +56,42 @@ def fail(text: str, code: int = 2) -> int:
     return code
 
 
+def kernel_module() -> str | None:
+    """The loaded kernel module's version, as the container sees it (None: no such file)."""
+    try:
+        with open(KERNEL_VERSION_FILE) as fh:
+            m = re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+([0-9.]+)", fh.read())
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
+def nvml_init(state: dict) -> str | None:
+    """NVML's start-up check: the failure text when the user-space driver is not the kernel module's."""
+    kernel = kernel_module()
+    if kernel is None or kernel == state["driver_version"]:
+        return None
+    short = ".".join(state["driver_version"].split(".")[:2])
+    return f"Failed to initialize NVML: Driver/library version mismatch\nNVML library version: {short}\n"
+
+
+def table(state: dict, gpus: list[dict]) -> str:
+    """Bare `nvidia-smi`: the header the real tool prints, then one row per GPU."""
+    rule = "+" + "-" * 89 + "+\n"
+    head = (f"| NVIDIA-SMI {state['driver_version']:<22} Driver Version: {state['driver_version']:<14} "
+            f"CUDA Version: {state.get('cuda_version') or 'N/A':<8} |\n")
+    rows = [f"| {g['index']:>3}  {state['name']:<28} {g['pci_bus_id']}  "
+            f"{g['memory_used']}MiB / {g['memory_total']}MiB |\n" for g in gpus]
+    return rule + head + rule + "".join(rows) + ("" if gpus else "No running processes found\n")
+
+
 def main(args: list[str]) -> int:
     state = load()
     if state.get("error"):
         return fail(state["error"].rstrip("\n") + "\n\n", 9)
+    mismatch = nvml_init(state)
+    if mismatch:
+        return fail(mismatch, EXIT_LIB_MISMATCH)
     query = fmt = None
     ids = None
     listing = False
@@ -103,12 +146,7 @@ def main(args: list[str]) -> int:
         return 0
     if fmt is not None:
         return fail(INVALID)
-    sys.stdout.write(f"NVIDIA-SMI (stand-in)    Driver Version: {state['driver_version']}\n")
-    for g in gpus:
-        sys.stdout.write(f"|  {g['index']}  {state['name']:<28} {g['pci_bus_id']}  "
-                         f"{g['memory_used']}MiB / {g['memory_total']}MiB |\n")
-    if not gpus:
-        sys.stdout.write("No running processes found\n")
+    sys.stdout.write(table(state, gpus))
     return 0
 
 

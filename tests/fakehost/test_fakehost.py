@@ -216,3 +216,27 @@ def test_fixture_exec_runs_inside(ct):
     ct.stop()
     with pytest.raises(RuntimeError, match="not running"):
         ct.exec(["true"])
+
+
+def test_nvidia_smi_reports_driver_and_cuda_and_fails_on_a_kernel_module_mismatch(host, ct):
+    smi = ["pct", "exec", "220", "--keep-env", "0", "--", "nvidia-smi"]
+    ct.set_driver("550.54.15", "12.4")
+    ct.set_kernel_module("550.54.15")
+    try:
+        table = host(*smi).text()
+        assert "Driver Version: 550.54.15" in table and "CUDA Version: 12.4" in table
+        assert host(*smi, "--query-gpu=driver_version", "--format=csv,noheader").text().splitlines()[0] == "550.54.15"
+        # The container sees the host's kernel module in its own /proc.
+        proc = host("pct", "exec", "220", "--keep-env", "0", "--", "cat", "/proc/driver/nvidia/version").text()
+        assert "Kernel Module  550.54.15" in proc
+        # The host's module moves on (a host upgrade), the container's libraries stay: NVML refuses.
+        ct.set_kernel_module("570.133.20")
+        for argv in (smi, [*smi, *QUERY[1:]]):
+            res = host(*argv)
+            assert res.exit_code == 18
+            assert res.stdout == (b"Failed to initialize NVML: Driver/library version mismatch\n"
+                                  b"NVML library version: 550.54\n")
+    finally:
+        ct.set_driver("570.133.20", "12.8")
+        ct.set_kernel_module("570.133.20")
+    assert host(*smi).exit_code == 0

@@ -1,0 +1,140 @@
+"""The NVIDIA driver checks (orchestrator.agent.driver) as pure logic: the version table, the parsers of
+nvidia-smi / /proc / lock texts, and the fixes they print. The end-to-end checks (doctor, rebuild-venv,
+launch against the fake host's stand-in nvidia-smi) live beside each verb's tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from orchestrator.agent import driver
+from orchestrator.agent.driver import DriverInfo, check, check_cuda, check_library, fix_text, runs_cuda
+from orchestrator.ops.lock import resolve_lock
+
+HEADER_550 = """Tue Mar  5 10:00:00 2024
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 550.54.15              Driver Version: 550.54.15      CUDA Version: 12.4     |
+|-----------------------------------------+------------------------+----------------------+
+"""
+PROC_550 = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
+            "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+PROC_OPEN_570 = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  "
+                 "(dvs-builder@U16-I3-B03-4-3)  Wed Mar 19 09:25:01 UTC 2025\nGCC version:  gcc version 12.2.0\n")
+
+
+def test_parsers_read_the_real_texts():
+    assert driver.parse_smi(HEADER_550) == ("550.54.15", "12.4")
+    assert driver.parse_smi("No devices were found\n") == (None, None)
+    assert driver.parse_kernel_module(PROC_550) == "550.54.15"
+    assert driver.parse_kernel_module(PROC_OPEN_570) == "570.133.20"
+    assert driver.parse_kernel_module("580.65.06\n") == "580.65.06"  # /sys/module/nvidia/version
+    assert driver.parse_kernel_module("garbage") is None
+    failed = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 570.124\n"
+    assert driver.parse_nvml_library(failed) == "570.124"
+    assert driver.parse_version("12.4") == (12, 4) and driver.parse_version("N/A") is None
+
+
+def test_lock_torch_reads_the_shipped_locks():
+    # PyPI's torch 2.13.0 is the CUDA 13.0 build (its nvidia-cuda-runtime pin says so); the cpu lock's is +cpu.
+    assert driver.lock_torch(resolve_lock("cuda").data.decode()) == ("2.13.0", "13.0")
+    assert driver.lock_torch(resolve_lock("cpu").data.decode()) == ("2.13.0+cpu", None)
+    assert driver.lock_torch(resolve_lock("test").data.decode()) == (None, None)
+    assert driver.lock_torch("torch==2.13.0+cu126 \\\n    --hash=sha256:00\n") == ("2.13.0+cu126", "12.6")
+    assert driver.lock_torch("nvidia-cuda-runtime-cu12==12.6.77\ntorch==2.7.1\n") == ("2.7.1", "12.6")
+
+
+# (torch's CUDA, driver version, the CUDA nvidia-smi prints) -> runs?
+TABLE = [
+    ("13.0", "550.54.15", "12.4", False),   # the issue: PyPI's torch 2.13.0 on an R550 driver
+    ("13.0", "575.57.08", "12.9", False),   # a newer major never runs on an older one
+    ("13.0", "580.65.06", "13.0", True),
+    ("13.2", "580.65.06", "13.0", True),    # minor-version compatibility within 13.x (>= 580)
+    ("12.6", "550.54.15", "12.4", True),    # ... and within 12.x (>= 525.60.13)
+    ("12.6", "525.60.13", "12.0", True),    # exactly the minimum
+    ("12.6", "520.61.05", "11.8", False),
+    ("12.8", "570.133.20", "12.8", True),
+    ("11.8", "450.80.02", "11.0", True),
+    ("11.8", "450.51.06", "11.0", False),   # below 11.x's minimum
+    ("12.6", None, "12.8", True),           # only the CUDA version known
+    ("13.0", "580.65.06", None, True),      # only the driver version known
+    ("14.0", "600.10", "13.5", False),      # no minimum known for a future major: only CUDA >= 14.0 runs it
+]
+
+
+@pytest.mark.parametrize("cuda,drv,drv_cuda,ok", TABLE, ids=[f"cu{c}-on-{d}" for c, d, _, _ in TABLE])
+def test_minimum_driver_table(cuda, drv, drv_cuda, ok):
+    v = driver.parse_version
+    assert runs_cuda(v(cuda), v(drv), v(drv_cuda)) is ok
+    problem = check_cuda(cuda, DriverInfo(driver=drv, cuda=drv_cuda), "2.13.0")
+    assert (problem is None) is ok
+
+
+def test_too_old_names_both_versions_and_the_cu126_lock_that_fits():
+    info = DriverInfo(driver="550.54.15", cuda="12.4", arch="x86_64")
+    (problem,) = check("13.0", info, "2.13.0")
+    assert problem.type == "DriverTooOld"
+    assert problem.message == ("the venv's torch 2.13.0 is built for CUDA 13.0, but the NVIDIA driver 550.54.15 "
+                               "runs CUDA 12.4 at most (CUDA 13.x needs driver >= 580)")
+    fix = problem.fix(lock="cuda", target="ct200")
+    assert fix.startswith("use a torch built for CUDA 12: dflashctl lock cuda --extra-index-url "
+                          "https://download.pytorch.org/whl/cu126, add https://download.pytorch.org/whl/cu126 to "
+                          "the venv profile's extra_index_urls in the inventory, then dflashctl rebuild-venv --target ct200")
+    assert "upgrade the host's NVIDIA driver to >= 580" in fix and "--no-kernel-modules" in fix
+    # A lock given by path cannot be regenerated by `dflashctl lock`: the fix says what to run on it.
+    assert "regenerate /srv/my.txt with uv pip compile" in problem.fix(lock="/srv/my.txt")
+
+
+def test_a_driver_no_torch_build_fits_only_gets_the_upgrade():
+    (problem,) = check("13.0", DriverInfo(driver="470.256.02", cuda="11.4", arch="x86_64"), "2.13.0")
+    assert problem.data["fits_index"] is None
+    assert problem.fix(target="ct1") == (
+        "upgrade the host's NVIDIA driver to >= 580 and install the same version in the container without kernel "
+        "modules (sh NVIDIA-Linux-x86_64-<version>.run --no-kernel-modules), then dflashctl doctor --target ct1")
+
+
+def test_cpu_torch_and_no_driver_pass():
+    assert check(None, DriverInfo(), "2.13.0+cpu") == []
+    assert check(None, DriverInfo(driver="550.54.15", cuda="12.4"), "2.13.0+cpu") == []
+    assert check("13.0", DriverInfo(), "2.13.0") == []  # no driver to ask: doctor's nvidia-smi check says so
+
+
+def test_library_mismatch_names_both_versions_and_the_driver_to_install():
+    info = DriverInfo(library="550.54.15", kernel_module="570.133.20", arch="x86_64")
+    problem = check_library(info)
+    assert problem.type == "DriverLibraryMismatch"
+    assert "libnvidia-ml 550.54.15" in problem.message and "kernel module 570.133.20" in problem.message
+    assert problem.fix(target="ct200") == (
+        "install the host's version 570.133.20 of the NVIDIA driver in the container without kernel modules: "
+        "sh NVIDIA-Linux-x86_64-570.133.20.run --no-kernel-modules (inside the container), then dflashctl doctor "
+        "--target ct200")
+    assert check_library(DriverInfo(library="570.133.20", kernel_module="570.133.20")) is None
+    assert check_library(DriverInfo(kernel_module="570.133.20")) is None
+    # nvidia-smi names only major.minor; when that agrees but NVML still refuses, its word counts.
+    said = DriverInfo(smi_error="Failed to initialize NVML: Driver/library version mismatch | NVML library version: 570.124",
+                      nvml_library="570.124", kernel_module="570.124.06")
+    assert check_library(said).data["library"] == "570.124"
+    # While the libraries mismatch nvidia-smi cannot say the CUDA version: one problem, not two.
+    assert [p.type for p in check("13.0", said, "2.13.0")] == ["DriverLibraryMismatch"]
+
+
+def test_library_version_from_the_containers_files(tmp_path):
+    multiarch, stale = tmp_path / "x86_64-linux-gnu", tmp_path / "lib64"
+    multiarch.mkdir()
+    stale.mkdir()
+    (multiarch / "libnvidia-ml.so.550.54.15").write_bytes(b"")
+    (multiarch / "libnvidia-ml.so.535.183.01").write_bytes(b"")  # left over from an older install
+    os.symlink("libnvidia-ml.so.550.54.15", multiarch / "libnvidia-ml.so.1")
+    assert driver.library_version((str(tmp_path / "absent"), str(multiarch))) == "550.54.15"
+    (stale / "libnvidia-ml.so.535.183.01").write_bytes(b"")
+    assert driver.library_version((str(stale),)) == "535.183.01"
+    assert driver.library_version((str(tmp_path / "absent"),)) is None
+
+
+def test_fix_text_without_a_known_kernel_module_says_where_to_read_it():
+    text = fix_text("DriverLibraryMismatch", {"kernel_module": None, "arch": "aarch64"})
+    assert "cat /proc/driver/nvidia/version on the host" in text and "NVIDIA-Linux-aarch64-" in text
+
+
+def test_installed_torch_here_is_a_cpu_build():
+    assert driver.installed_torch_cuda() is None
