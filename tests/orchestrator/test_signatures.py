@@ -103,6 +103,28 @@ def test_missing_module_names_the_module(catalogue):
     assert "accelerate" in text["title"] and "accelerate" in text["fix"] and "rebuild-venv" in text["fix"]
 
 
+def test_driver_too_old_names_the_drivers_cuda_and_the_false_lead(catalogue):
+    # torch only warns (is_available() returns False); the rank then blames the GPU indices.
+    events = run_lines(catalogue, (FIXTURES / "driver-too-old.log").read_text())
+    ev = top(events)
+    assert ev.signature == "driver-too-old" and ev.groups == {"found": "12040"} and ev.line_no == 3
+    text = catalogue.get(ev.signature).render(ev.groups)
+    assert "12040" in text["title"] and "cu126" in text["fix"] and "--no-kernel-modules" in text["fix"]
+    assert any("CUDA_VISIBLE_DEVICES" in n for n in text["not_this"])
+
+
+@pytest.mark.parametrize("line", [
+    "Failed to initialize NVML: Driver/library version mismatch",
+    "[rank 3] RuntimeError: Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions before "
+    "calling NumCudaDevices() that might have already set an error? Error 803: system has unsupported display "
+    "driver / cuda driver combination",
+])
+def test_library_mismatch_as_nvml_and_as_cuda_say_it(catalogue, line):
+    ev = top(run_lines(catalogue, line + "\n"))
+    assert ev is not None and ev.signature == "driver-library-mismatch"
+    assert "kernel module" in catalogue.get(ev.signature).diagnosis
+
+
 def test_chained_traceback_is_one_event_with_all_exceptions(catalogue):
     events = run_lines(catalogue, (FIXTURES / "disk-full.log").read_text())
     assert len(events) == 1
