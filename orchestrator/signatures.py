@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any, Iterable
 
+from orchestrator import ownlines
 from orchestrator.errors import InventoryError
 
 SEVERITIES = ("warning", "error", "fatal")
@@ -320,12 +321,18 @@ class _Traceback:
 class Matcher:
     """Streams lines through the catalogue. Feed lines in order; call `finish()` at the end.
 
+    dflashctl's own lines in the log (orchestrator/ownlines.py) are never matched: each ends an open
+    traceback (a new record begins) and is otherwise passed over, whatever text it carries.
+
     Args:
         catalogue: from `load_catalogue()`.
+        mark: the run's log mark (run.json `log_mark`); None: lines of our shape with any mark are ours.
+            A follower learns it from the agent and sets `self.mark` before the first line.
     """
 
-    def __init__(self, catalogue: Catalogue):
+    def __init__(self, catalogue: Catalogue, mark: str | None = None):
         self.catalogue = catalogue
+        self.mark = mark
         self.line_no = 0
         self._tb: _Traceback | None = None
 
@@ -345,6 +352,8 @@ class Matcher:
         """
         self.line_no += 1
         line = line.rstrip("\n")
+        if ownlines.is_own(line, self.mark):
+            return self.finish()
         if "\r" not in line:
             return self._segment(line)
         out: list[Match] = []

@@ -1,6 +1,6 @@
 """Run directories inside the target, and the launch lock. Standard library only.
 
-    <workdir>/runs/<run-id>/  run.json  config.json  train.log  metrics.jsonl  exit.json  pid
+    <workdir>/runs/<run-id>/  run.json  config.json  train.log  log.mark  metrics.jsonl  exit.json  pid
     <workdir>/launch.lock     held (flock) by the one launch in progress; its text names the holder
 
 States: running (no exit.json, and its session lives with a live pane or its command's process group from

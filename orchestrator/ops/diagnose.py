@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import ownlines
 from orchestrator.errors import UserError
 from orchestrator.signatures import SEVERITY_RANK, Catalogue, Match, Matcher, load_catalogue
 
@@ -110,7 +111,8 @@ def diagnose(path: str | Path, catalogue: Catalogue | None = None, block_size: i
     if not p.is_file():
         raise UserError(f"no such log file: {p}", fix="pass the path of a train.log (or any captured output)")
     catalogue = catalogue or load_catalogue()
-    matcher = Matcher(catalogue)
+    # dflashctl's own lines are not the trainer's: skipped by the run's mark when run.json is beside the log.
+    matcher = Matcher(catalogue, mark=ownlines.mark_beside(p))
     found = _Collector(catalogue)
     total = 0
     carry = b""

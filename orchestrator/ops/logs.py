@@ -190,6 +190,8 @@ class _Follower:
                     self.health.set_baseline(self.baseline)
             if self.log_offset is None:
                 self.log_offset = int(ev.get("offset") or 0)
+            if self.matcher is not None and hasattr(self.matcher, "mark"):
+                self.matcher.mark = ev.get("log_mark")  # dflashctl's own lines are never matched
         elif kind == "data":
             self._data(ev)
         elif kind == "metrics":

@@ -7,6 +7,8 @@
 # RUN_DIR/launch.env0  NUL-separated KEY=VALUE entries: the command's WHOLE environment (env -i), written by
 #                      the agent (mode 0600; values never appear on a command line or in `ps`).
 # RUN_DIR/train.log    stdout+stderr of COMMAND and of this script, appended (also shown in the pane).
+# RUN_DIR/log.mark     the run's mark (orchestrator/ownlines.py): each line of this script's own in train.log
+#                      begins with `[dflashctl MARK] `, so readers never take it for the command's output.
 # RUN_DIR/pid          the process group id of COMMAND (what `dflashctl stop` signals).
 # RUN_DIR/exit.json    {"exit_code", "signal", "started", "ended"}, written when COMMAND ends, on failure
 #                      too, by write-temp-then-rename (its appearance means the log is complete).
@@ -16,6 +18,8 @@ shift
 [ "${1:-}" = "--" ] && shift
 
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+mark=$(cat "$run_dir/log.mark" 2>/dev/null)
+case $mark in ''|*[!0-9a-f]*) own="[dflashctl]" ;; *) own="[dflashctl $mark]" ;; esac
 rc=
 sig=null
 child=
@@ -49,7 +53,8 @@ fi
 exec > >(exec tee -ai "$run_dir/train.log") 2>&1
 tee_pid=$!
 
-echo "[dflashctl] run $(basename "$run_dir") started $started: $*"
+# The command line itself is in train.log already: the agent wrote it there, quoted on one line.
+echo "$own run $(basename "$run_dir") started $started"
 
 # Job control on: the command gets its own process group (so a stop signals the trainer and its workers,
 # never tee or this script), and it does not inherit the ignored SIGINT that non-interactive shells give
@@ -80,5 +85,5 @@ last=$?
 if [ "$rc" -gt 128 ]; then
     name=$(kill -l "$((rc - 128))" 2>/dev/null) && sig="\"SIG$name\""
 fi
-echo "[dflashctl] command ended: exit code $rc${name:+ (signal SIG$name)}"
+echo "$own command ended: exit code $rc${name:+ (signal SIG$name)}"
 exit "$rc"

@@ -27,6 +27,38 @@ def render(argv: Sequence[str]) -> str:
     return shlex.join(argv)
 
 
+def render_line(argv: Sequence[str]) -> str:
+    """`render`, on ONE line: an argument holding a control character (a newline, a tab, an escape) is
+    written in bash's ANSI-C form `$'...'` (`\\n`, `\\t`, `\\xHH`), so bash splits the line back into `argv`
+    and a log or a terminal shows it as one line. For lines that are shown (train.log's command line), not
+    for the remote shell, which may be a POSIX sh without `$'...'`.
+
+    Raises:
+        ValueError: as `render`.
+    """
+    render(argv)  # the same checks
+    return " ".join(_ansi_c(a) if _has_control(a) else shlex.quote(a) for a in argv)
+
+
+def _has_control(arg: str) -> bool:
+    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in arg)
+
+
+_ANSI_C_ESCAPES = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _ansi_c(arg: str) -> str:
+    out = []
+    for c in arg:
+        if c in _ANSI_C_ESCAPES:
+            out.append(_ANSI_C_ESCAPES[c])
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(f"\\x{ord(c):02x}")
+        else:
+            out.append(c)
+    return "$'" + "".join(out) + "'"
+
+
 def with_env(env: Mapping[str, str], argv: Sequence[str], *, clear: bool = True) -> list[str]:
     """Prefix argv with `env [-i] K=V ...` so variables are set inside the command itself.
 

@@ -25,12 +25,13 @@ import socket
 import sys
 from pathlib import Path
 
+from orchestrator import ownlines
 from orchestrator.agent import runs, tmuxctl
 from orchestrator.agent import resume
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.verbs import stop as stopverb
-from orchestrator.transport.quoting import render
+from orchestrator.transport.quoting import render, render_line
 
 SCRIPT_NAME = "start_training.sh"
 ENV_FILE = "launch.env0"
@@ -341,6 +342,7 @@ def run(request: dict, emit) -> dict:
         # The environment travels in a file only the owner reads: values never reach a command line.
         runs.write_bytes(run_dir / ENV_FILE, _env_blob(env), 0o600)
         tmux_command = render(["bash", str(script), str(run_dir), "--", *argv])
+        mark = ownlines.new_mark()
         info = {
             "experiment": experiment,
             "run_id": run_id,
@@ -361,8 +363,10 @@ def run(request: dict, emit) -> dict:
             "replaced": replaced,
             "resumed_from": None if src is None else src.run_id,
             "resumed_step": None if src is None else src.step,
+            ownlines.RUN_JSON_KEY: mark,
         }
         runs.write_json(run_dir / "run.json", info)
+        _start_log(run_dir, mark, argv)
         emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
 
         if dflash:
@@ -388,6 +392,19 @@ def run(request: dict, emit) -> dict:
         }
     finally:
         lock.release()
+
+
+def _start_log(run_dir: Path, mark: str, argv: list[str]) -> None:
+    """Give the run its mark (log.mark, read by start_training.sh) and begin train.log with the command line,
+    quoted on ONE line: an argument holding a newline cannot start a line of its own there, so it cannot
+    pass for the command's output (orchestrator/ownlines.py)."""
+    runs.write_bytes(run_dir / ownlines.MARK_FILE, (mark + "\n").encode("ascii"))
+    header = ownlines.line(mark, f"run {run_dir.name} command: {render_line(argv)}")
+    fd = os.open(run_dir / "train.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, header.encode("utf-8", errors="surrogateescape"))
+    finally:
+        os.close(fd)
 
 
 def _describe_layout(gpus: list[int], layout: dict) -> str:

@@ -12,7 +12,8 @@ Request:
   heartbeat: float = 2.0     seconds between heartbeat events (and tmux session checks)
   baseline: bool = False     also report the last good run of the same experiment (its tokens/s)
 Events:
-  {"event": "run", "run_id", "experiment", "session", "offset", "baseline"}        first
+  {"event": "run", "run_id", "experiment", "session", "offset", "baseline", "log_mark"}   first
+                                 (log_mark: run.json's, the prefix of dflashctl's own lines; see ownlines)
   {"event": "data", "offset": start, "next": end, "text": str} | same with "b64"    whole lines only
   {"event": "metrics", "offset": start, "next": end, "records": [...], "invalid": n}
   {"event": "heartbeat", "session_alive": bool|null, "log_size": n, "metrics_size": n}
@@ -27,6 +28,7 @@ import base64
 import time
 
 from orchestrator.agent.protocol import AgentFailure
+from orchestrator.ownlines import RUN_JSON_KEY, valid_mark
 from orchestrator.agent.runs import parse_records, read_exit, resolve_run, run_alive, state_of
 from orchestrator.agent.tailer import DirWatcher, LineCursor, last_good_baseline, tail_offset
 
@@ -77,7 +79,7 @@ def run(request: dict, emit) -> dict:
     metrics = LineCursor(ref.metrics, _int(request, "metrics_offset", 0)) if want_metrics else None
     baseline = last_good_baseline(workdir, ref) if request.get("baseline") else None
     emit.event("run", run_id=ref.run_id, experiment=ref.experiment, session=ref.session, offset=offset,
-               baseline=baseline)
+               baseline=baseline, log_mark=valid_mark(ref.info.get(RUN_JSON_KEY)))
 
     watcher = DirWatcher(ref.path, fallback=poll) if follow else None
     truncations = 0

@@ -1,0 +1,128 @@
+"""The log belongs to the run: dflashctl's own lines in train.log carry the run's mark and are never matched
+against crash signatures; the command line is written quoted on ONE line (issue 10, item 6)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from orchestrator import ownlines
+from orchestrator.ops.diagnose import diagnose
+from orchestrator.signatures import Matcher, load_catalogue
+from orchestrator.transport.quoting import render_line
+
+FORGED = "x\nModuleNotFoundError: No module named 'accelerate'"
+TRACEBACK = [
+    "Traceback (most recent call last):",
+    '  File "/w/train.py", line 3, in <module>',
+    "    import accelerate",
+    "ModuleNotFoundError: No module named 'accelerate'",
+]
+
+
+# ------------------------------------------------------------------------------------------- pure parts
+
+
+@pytest.mark.parametrize("arg", [FORGED, "tab\there", "cr\rlf", "esc\x1b[31m", "quote's\nand \\ back", "\x7f", "é\n"])
+def test_render_line_is_one_line_that_bash_splits_back(arg):
+    argv = ["python3", "-c", "import sys; print(sys.argv)", arg, "plain", "a b"]
+    text = render_line(argv)
+    assert "\n" not in text and "\r" not in text and not any(ord(c) < 0x20 for c in text)
+    out = subprocess.run(["bash", "-c", f"{render_line([sys.executable, '-c', 'import json,sys; print(json.dumps(sys.argv[1:]))'])} {text}"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == argv
+
+
+def test_render_line_is_shlex_join_without_control_characters():
+    argv = ["bash", "-c", "echo hi; exit 0", "it's", "$(id)"]
+    assert render_line(argv) == "bash -c 'echo hi; exit 0' 'it'\"'\"'s' '$(id)'"
+    assert render_line(["a", FORGED]) == "a $'x\\nModuleNotFoundError: No module named \\'accelerate\\''"
+
+
+def test_own_lines_are_one_line_and_recognised_by_their_mark():
+    mark, other = ownlines.new_mark(), ownlines.new_mark()
+    line = ownlines.line(mark, "run r command: a\nb")
+    assert line.count("\n") == 1 and line.endswith("\n") and "a\\nb" in line
+    assert ownlines.is_own(line.rstrip("\n"), mark)
+    assert not ownlines.is_own(ownlines.line(other, "x").rstrip("\n"), mark)  # a mark of another run
+    assert ownlines.is_own(ownlines.line(other, "x").rstrip("\n"), None)  # no mark known: our shape
+    for trainer_line in ("[dflashctl] old style", "[dflashctl nothex0123456789] x", " [dflashctl " + mark + "] x",
+                         "ModuleNotFoundError: No module named 'accelerate'"):
+        assert not ownlines.is_own(trainer_line, mark) and not ownlines.is_own(trainer_line, None)
+
+
+def _events(lines: list[str], mark: str | None) -> list:
+    m = Matcher(load_catalogue(), mark=mark)
+    out = []
+    for line in lines:
+        out += m.feed_line(line)
+    return out + m.finish()
+
+
+def test_matcher_skips_own_lines_and_still_finds_the_trainers_crash():
+    mark = ownlines.new_mark()
+    own = ownlines.line(mark, "run r command: " + render_line(["python", FORGED])).rstrip("\n")
+    forged_alone = ownlines.prefix(mark) + "ModuleNotFoundError: No module named 'accelerate'"
+    assert _events([own, forged_alone, "step 1"], mark) == []
+    # the same text without our mark is the command's output: a real crash is still found
+    assert [e.signature for e in _events(["step 1", *TRACEBACK], mark)] == ["missing-module"]
+    # our end line closes the trainer's traceback (a new record), and is not matched itself
+    ended = ownlines.line(mark, "command ended: exit code 1").rstrip("\n")
+    events = _events([*TRACEBACK, ended], mark)
+    assert [(e.signature, e.end_line_no) for e in events] == [("missing-module", 4)]
+
+
+def test_diagnose_reads_the_mark_beside_the_log(tmp_path):
+    mark = ownlines.new_mark()
+    (tmp_path / "run.json").write_text(json.dumps({ownlines.RUN_JSON_KEY: mark}))
+    log = tmp_path / "train.log"
+    log.write_text(ownlines.line(mark, "run r command: " + render_line(["python", FORGED])) + "step 1\n"
+                   + ownlines.prefix(mark) + "ModuleNotFoundError: No module named 'torch'\n")
+    assert diagnose(log).signatures == []
+    # a line forged with another run's mark is not ours when the run's own mark is known
+    log.write_text(ownlines.prefix(ownlines.new_mark()) + "ModuleNotFoundError: No module named 'torch'\n")
+    assert [s.id for s in diagnose(log).signatures] == ["missing-module"]
+
+
+# ------------------------------------------------------------------------------------------- a real run
+
+
+pytestmark = pytest.mark.usefixtures("isolated_tmux")
+
+
+def _inventory(tmp_path: Path, argv: list[str]) -> Path:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(textwrap.dedent(f"""\
+        targets:
+          local: {{kind: local, workdir: {json.dumps(str(tmp_path / 'work'))}, venv: workstation}}
+        venvs:
+          workstation: {{kind: workstation}}
+        experiments:
+          forge: {{kind: command, target: local, command: {json.dumps(argv)}}}
+        """))
+    return inv
+
+
+def test_an_argument_cannot_forge_a_crash_in_the_follow(tmp_path, dflashctl):
+    # The run fails for its own reason (exit 3, no traceback); an argument carries a newline and a fake
+    # "missing accelerate". The follow must report the real outcome: failed, exit code 3, exit status 1.
+    argv = [sys.executable, "-c", "import sys; print('working'); sys.exit(3)", FORGED]
+    inv = _inventory(tmp_path, argv)
+    assert dflashctl("--inventory", str(inv), "launch", "forge").returncode == 0
+    run = next((tmp_path / "work" / "runs").iterdir())
+    res = dflashctl("--inventory", str(inv), "logs", run.name, "--follow", timeout=120)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "accelerate" not in res.stderr and "missing-module" not in res.stderr
+    assert f"run {run.name}: failed (exit code 3)" in res.stderr
+    assert "working" in res.stdout.splitlines()
+    log = (run / "train.log").read_text().splitlines()
+    mark = json.loads((run / "run.json").read_text())[ownlines.RUN_JSON_KEY]
+    assert log[0] == ownlines.prefix(mark) + f"run {run.name} command: " + render_line(argv)
+    assert [line for line in log if not ownlines.is_own(line, mark)] == ["working"]
+    assert log[-1] == ownlines.prefix(mark) + "command ended: exit code 3"
+    assert dflashctl("--inventory", str(inv), "diagnose", str(run / "train.log")).returncode == 0
