@@ -282,7 +282,8 @@ def fix_text(kind: str, data: dict, lock: str | None = None, target: str | None 
     """The fix for a problem of `kind` with its `data` (pure; golden-tested).
 
     Args:
-        lock: the venv profile's lock (a shipped profile name, or a path), named in the commands.
+        lock: the venv profile's lock (a shipped profile name, or a path), named in the commands; None:
+            the running interpreter's torch (the workstation profile).
         target: the inventory target, for `--target`.
     """
     on = f" --target {target}" if target else ""
@@ -298,7 +299,10 @@ def fix_text(kind: str, data: dict, lock: str | None = None, target: str | None 
                f"then dflashctl doctor{on}")
     if not index:  # no torch build of this driver's CUDA line: only a newer driver helps
         return upgrade
-    lock = lock or "cuda"
+    if lock is None:  # the workstation profile: the running interpreter's own torch
+        base = str(data.get("torch") or "").split("+")[0]
+        relock = f"python3 -m pip install 'torch{'==' + base if base else ''}' --index-url {index}"
+        return f"install a torch built for CUDA {data.get('fits_major')}: {relock}; or {upgrade}"
     relock = (f"dflashctl lock {lock} --extra-index-url {index}" if "/" not in lock and not lock.endswith(".txt")
               else f"regenerate {lock} with uv pip compile --generate-hashes --extra-index-url {index}")
     return (f"use a torch built for CUDA {data.get('fits_major')}: {relock}, add {index} to the venv profile's "
@@ -329,14 +333,20 @@ def installed_torch_cuda() -> str | None:
 
 def venv_torch(workdir: str, profile) -> dict:
     """{torch, cuda, venv, error} of the venv a launch in `workdir` uses: its fingerprint (a uv profile),
-    or the running interpreter (the workstation profile)."""
+    or the running interpreter's torch (the workstation profile; read from its files, not imported)."""
+    from importlib import metadata
+
     from orchestrator.agent import venvinfo
 
+    if venvinfo._profile_kind(profile) == "workstation":
+        try:
+            torch_version = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            torch_version = None
+        return {"torch": torch_version, "cuda": installed_torch_cuda() if torch_version else None, "venv": None,
+                "error": None}
     fp = venvinfo.current_fingerprint(workdir, profile)
-    cuda = fp.get("cuda")
-    if fp.get("kind") == "workstation" and fp.get("torch") and not cuda:
-        cuda = installed_torch_cuda()
-    return {"torch": fp.get("torch"), "cuda": cuda, "venv": fp.get("venv"), "error": fp.get("error")}
+    return {"torch": fp.get("torch"), "cuda": fp.get("cuda"), "venv": fp.get("venv"), "error": fp.get("error")}
 
 
 def describe_ok(torch_version: str | None, torch_cuda: str | None, info: DriverInfo) -> str:

@@ -1,5 +1,9 @@
 """`doctor`: is a target ready to train? A list of checks, each failure with the command that fixes it.
 
+The NVIDIA driver is checked against the venv's torch (the CUDA it was built for, from the venv's
+fingerprint) and the container's driver libraries against the host's kernel module (agent/driver.py);
+each failure names both versions and the lock or driver that fits.
+
 Round trips for a container (pct's Perl start-up makes each one cost hundreds of ms), all over ONE SSH
 connection: host side `pct status CTID` (not `pct exec`), then at the same time `pct config CTID` and,
 in the container, ONE agent `ping` (one `pct exec`) that answers every in-container check.
@@ -13,6 +17,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from orchestrator.agent import driver as nvdriver
 from orchestrator.errors import ConnectError, ContainerMissing, DflashError, HostKeyError, PctError
 from orchestrator.transport.quoting import render
 
@@ -85,8 +90,42 @@ def _fix(prefix: list[str], argv: list[str]) -> str:
     return render([*prefix, *argv])
 
 
-def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix: list[str], min_free_gib: float) -> None:
-    """The in-target checks, all from one ping answer. `prefix` runs a fix inside the target."""
+def _driver_checks(rep: DoctorReport, ping: dict, venv: dict, target: str) -> None:
+    """The driver's libraries against the kernel module, and the driver against the venv's torch."""
+    found = ping.get("driver")
+    if not isinstance(found, dict):  # a bundle from before the driver checks
+        rep.add(LIB_CHECK, SKIP, "the target's agent does not report the driver")
+        rep.add(CUDA_CHECK, SKIP, "the target's agent does not report the driver")
+        return
+    info, torch = nvdriver.DriverInfo.from_dict(found.get("info")), found.get("venv") or {}
+    lock = venv.get("lock") if venv.get("kind", "uv") == "uv" else None
+    problem = nvdriver.check_library(info)
+    if problem:
+        rep.add(LIB_CHECK, FAIL, problem.message, problem.fix(lock=lock, target=target))
+        for c in rep.checks:  # the same cause breaks nvidia-smi: one fix for both lines
+            if c.name == "nvidia-smi readable" and c.status == FAIL:
+                c.fix = rep.checks[-1].fix
+    elif info.kernel_module and (info.library or info.driver):
+        rep.add(LIB_CHECK, OK, f"driver libraries {info.library or info.driver} = kernel module {info.kernel_module}")
+    else:
+        rep.add(LIB_CHECK, SKIP, "no NVIDIA kernel module loaded" if not info.kernel_module
+                else f"kernel module {info.kernel_module}; no driver libraries to compare")
+    if torch.get("error") and not torch.get("torch"):
+        rep.add(CUDA_CHECK, SKIP, f"{torch['error']}; rebuild-venv checks the driver before switching")
+        return
+    problem = nvdriver.check_cuda(torch.get("cuda"), info, torch.get("torch"))
+    if problem:
+        rep.add(CUDA_CHECK, FAIL, problem.message, problem.fix(lock=lock, target=target))
+    elif torch.get("cuda") and not (info.driver or info.cuda):
+        rep.add(CUDA_CHECK, SKIP, f"torch {torch.get('torch')} (CUDA {torch['cuda']}): needs a readable nvidia-smi")
+    else:
+        rep.add(CUDA_CHECK, OK, nvdriver.describe_ok(torch.get("torch"), torch.get("cuda"), info))
+
+
+def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix: list[str], min_free_gib: float,
+                  venv: dict | None = None, target: str = "") -> None:
+    """The in-target checks, all from one ping answer. `prefix` runs a fix inside the target; `venv` is
+    the target's venv profile (with its `name`)."""
     py = ping.get("python") or {}
     rep.add("python3", OK, f"Python {py.get('version')} at {py.get('executable')}")
 
@@ -102,6 +141,7 @@ def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix: list[str], m
         rep.add("nvidia-smi readable", FAIL, reason or "no GPUs listed",
                 "install the host's NVIDIA driver version in the container without kernel modules "
                 "(NVIDIA-Linux-*.run --no-kernel-modules)")
+    _driver_checks(rep, ping, venv or {}, target)
 
     tmux = ping.get("tmux")
     rep.add("tmux", OK if tmux else FAIL, tmux or "tmux not found on PATH", _fix(prefix, ["apt-get", "install", "-y", "tmux"]))
@@ -130,10 +170,11 @@ def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix: list[str], m
                     _fix(prefix, ["mkdir", "-p", str(d.get("path"))]) + "  (and check its owner and mount)")
 
 
-def _ping(rep: DoctorReport, target, kind: str, prefix: list[str], min_free_gib: float) -> None:
+def _ping(rep: DoctorReport, target, kind: str, prefix: list[str], min_free_gib: float,
+          venv: dict | None = None) -> None:
     """Run the one agent ping and turn its answer into checks (or one failure and skips)."""
     try:
-        ping = target.agent("ping", timeout=120)
+        ping = target.agent("ping", {"venv_profile": venv or {}}, timeout=120)
     except DflashError as exc:  # AgentError, RemoteCommandError (no python3), ConnectError, pct errors
         if "python3" in exc.message:
             rep.add("python3", FAIL, exc.message, _fix(prefix, ["apt-get", "install", "-y", "python3"]))
@@ -142,7 +183,16 @@ def _ping(rep: DoctorReport, target, kind: str, prefix: list[str], min_free_gib:
         _skip_rest(rep, "needs the agent", _ORDER[_ORDER.index("python3"):])
         return
     rep.ping = ping
-    _agent_checks(rep, ping, kind, prefix, min_free_gib)
+    _agent_checks(rep, ping, kind, prefix, min_free_gib, venv, target.name)
+
+
+def _venv_profile(inv, spec) -> dict:
+    """The target's venv profile as the agent takes it (with its name); {} when the inventory lacks it
+    (the launch and rebuild-venv verbs report that)."""
+    try:
+        return {"name": spec.venv, **inv.venv(spec.venv).model_dump()}
+    except DflashError:
+        return {}
 
 
 def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> DoctorReport:
@@ -167,7 +217,8 @@ def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> Docto
         rep = DoctorReport(target_name, "local")
         target = open_target(inv, target_name)
         try:
-            _ping(rep, target, "local", [], DEFAULT_MIN_FREE_GIB["local"] if min_free_gib is None else min_free_gib)
+            _ping(rep, target, "local", [], DEFAULT_MIN_FREE_GIB["local"] if min_free_gib is None else min_free_gib,
+                  _venv_profile(inv, spec))
         finally:
             target.close()
         return rep
@@ -226,7 +277,8 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
             config = pool.submit(_pct_config, pct)
             inside = DoctorReport(name, "container")
             if running:
-                _ping(inside, target, "container", ["pct", "exec", str(ctid), "--"], min_free_gib)
+                _ping(inside, target, "container", ["pct", "exec", str(ctid), "--"], min_free_gib,
+                      _venv_profile(inv, spec))
             _gpu_device_check(rep, config.result(), ctid, on_host)
         rep.checks.extend(inside.checks)
         rep.ping = inside.ping
@@ -266,8 +318,9 @@ def _ssh_ok(rep: DoctorReport, host) -> None:
     rep.add("host key known", OK, "matches known_hosts")
 
 
+LIB_CHECK, CUDA_CHECK = "driver libraries = kernel module", "driver runs the venv's torch"
 _ORDER = ["ssh reachable", "host key known", "pct present", "container running", "GPU devices visible",
-          "python3", "nvidia-smi readable", "tmux", "uv", "free disk", "workdir writable",
+          "python3", "nvidia-smi readable", LIB_CHECK, CUDA_CHECK, "tmux", "uv", "free disk", "workdir writable",
           "inductor cache dir writable"]
 
 

@@ -10,26 +10,28 @@ import pytest
 import yaml
 
 from orchestrator.inventory import load_inventory
-from orchestrator.ops.doctor import FAIL, OK, SKIP, WARN, doctor, gpu_devices
+from orchestrator.ops.doctor import CUDA_CHECK, FAIL, LIB_CHECK, OK, SKIP, WARN, doctor, gpu_devices
 
-AGENT_CHECKS = ["python3", "nvidia-smi readable", "tmux", "uv", "free disk", "workdir writable",
-                "inductor cache dir writable"]
+AGENT_CHECKS = ["python3", "nvidia-smi readable", LIB_CHECK, CUDA_CHECK, "tmux", "uv", "free disk",
+                "workdir writable", "inductor cache dir writable"]
 ALL_CHECKS = ["ssh reachable", "host key known", "pct present", "container running", "GPU devices visible",
               *AGENT_CHECKS]
 
 
 def inventory(tmp_path: Path, host: dict | None = None, ctid: int = 310, workdir: str | None = None,
-              name: str = "inv.yaml"):
-    """A written + loaded inventory with a `local` target and (given a host entry) a container target `ct`."""
+              name: str = "inv.yaml", venv: str = "cpu"):
+    """A written + loaded inventory with a `local` target and (given a host entry) a container target `ct`
+    whose venv profile is `venv` (`cpu`: the cpu lock; `gpu`: the cuda lock)."""
     doc: dict = {
         "targets": {"local": {"kind": "local", "workdir": str(tmp_path / "local"), "venv": "workstation"}},
-        "venvs": {"workstation": {"kind": "workstation"}, "cpu": {"kind": "uv", "lock": "cpu"}},
+        "venvs": {"workstation": {"kind": "workstation"}, "cpu": {"kind": "uv", "lock": "cpu"},
+                  "gpu": {"kind": "uv", "lock": "cuda"}},
         "experiments": {},
     }
     if host is not None:
         doc["hosts"] = {"pve": host}
         doc["targets"]["ct"] = {"kind": "container", "host": "pve", "ctid": ctid,
-                                "workdir": workdir or "/root/dflash", "venv": "cpu"}
+                                "workdir": workdir or "/root/dflash", "venv": venv}
     path = tmp_path / name
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return load_inventory(path)
@@ -148,6 +150,72 @@ def test_doctor_without_gpus_or_with_a_broken_driver(pve, tmp_path):
     assert checks["GPU devices visible"].status == OK
     smi = checks["nvidia-smi readable"]
     assert smi.status == FAIL and "Driver/library version mismatch" in smi.detail and "--no-kernel-modules" in smi.fix
+
+
+def test_doctor_names_a_driver_too_old_for_the_venvs_torch(pve, tmp_path, claim_cuda_venv, dflashctl):
+    ct = pve.create_container(315, gpus=2)
+    ct.set_driver("550.54.15", "12.4")
+    ct.set_kernel_module("550.54.15")
+    inv = inventory(tmp_path, pve.host_entry(), ctid=315, workdir=ct.workdir, venv="gpu")
+    claim_cuda_venv(ct.workdir, lock="cuda", torch="2.13.0", cuda="13.0")  # what PyPI's torch 2.13.0 is
+    checks = by_name(doctor(inv, "ct"))
+    assert checks[LIB_CHECK].status == OK and checks[LIB_CHECK].detail == (
+        "driver libraries 550.54.15 = kernel module 550.54.15")
+    drv = checks[CUDA_CHECK]
+    assert drv.status == FAIL
+    assert drv.detail == ("the venv's torch 2.13.0 is built for CUDA 13.0, but the NVIDIA driver 550.54.15 runs "
+                          "CUDA 12.4 at most (CUDA 13.x needs driver >= 580)")
+    assert drv.fix.startswith("use a torch built for CUDA 12: dflashctl lock cuda --extra-index-url "
+                              "https://download.pytorch.org/whl/cu126, add https://download.pytorch.org/whl/cu126 "
+                              "to the venv profile's extra_index_urls in the inventory, then dflashctl rebuild-venv "
+                              "--target ct; or upgrade the host's NVIDIA driver to >= 580")
+
+    # The installed console script prints it, as text, and fails.
+    res = dflashctl("-i", str(tmp_path / "inv.yaml"), "doctor", "-t", "ct")
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = " ".join(res.stdout.split())
+    assert "550.54.15" in out and "CUDA 12.4" in out and "dflashctl lock cuda --extra-index-url" in out
+
+    # A driver that runs CUDA 13 passes; so does a torch for CUDA 12.6 on the R550 driver (minor-version
+    # compatibility), and a CPU torch.
+    ct.set_driver("580.65.06", "13.0")
+    ct.set_kernel_module("580.65.06")
+    assert by_name(doctor(inv, "ct"))[CUDA_CHECK].detail == (
+        "driver 580.65.06 (CUDA 13.0) runs torch 2.13.0 built for CUDA 13.0")
+    ct.set_driver("550.54.15", "12.4")
+    ct.set_kernel_module("550.54.15")
+    claim_cuda_venv(ct.workdir, lock="cuda", torch="2.13.0+cu126", cuda="12.6")
+    assert by_name(doctor(inv, "ct"))[CUDA_CHECK].status == OK
+    claim_cuda_venv(ct.workdir, lock="cuda", torch="2.13.0+cpu", cuda=None)
+    assert by_name(doctor(inv, "ct"))[CUDA_CHECK].detail == "torch 2.13.0+cpu is a CPU build"
+
+
+def test_doctor_names_a_library_kernel_module_mismatch(pve, tmp_path, claim_cuda_venv):
+    ct = pve.create_container(316, gpus=2)
+    ct.set_driver("550.54.15", "12.4")   # the container's own libraries
+    ct.set_kernel_module("570.133.20")   # the host's driver was upgraded (and the host rebooted)
+    inv = inventory(tmp_path, pve.host_entry(), ctid=316, workdir=ct.workdir, venv="gpu")
+    claim_cuda_venv(ct.workdir, lock="cuda", torch="2.13.0+cu126", cuda="12.6")
+    checks = by_name(doctor(inv, "ct"))
+    lib = checks[LIB_CHECK]
+    assert lib.status == FAIL
+    assert "libnvidia-ml 550.54" in lib.detail and "kernel module 570.133.20" in lib.detail
+    assert lib.fix == ("install the host's version 570.133.20 of the NVIDIA driver in the container without kernel "
+                       "modules: sh NVIDIA-Linux-x86_64-570.133.20.run --no-kernel-modules (inside the container), "
+                       "then dflashctl doctor --target ct")
+    assert checks["nvidia-smi readable"].fix == lib.fix  # the same cause, the same fix
+    # One error for one problem: the torch check cannot ask nvidia-smi for the CUDA version meanwhile.
+    assert checks[CUDA_CHECK].status == SKIP and "nvidia-smi" in checks[CUDA_CHECK].detail
+    ct.set_driver("570.133.20", "12.8")  # installed as the fix says
+    checks = by_name(doctor(inv, "ct"))
+    assert checks[LIB_CHECK].status == OK and checks[CUDA_CHECK].status == OK
+
+
+def test_doctor_before_the_first_venv_skips_the_torch_check(pve, tmp_path):
+    ct = pve.create_container(317, gpus=1)
+    checks = by_name(doctor(inventory(tmp_path, pve.host_entry(), ctid=317, workdir=ct.workdir, venv="gpu"), "ct"))
+    assert checks[LIB_CHECK].status == OK
+    assert checks[CUDA_CHECK].status == SKIP and "rebuild-venv" in checks[CUDA_CHECK].detail
 
 
 def test_doctor_refuses_an_unknown_host_key_then_trust_fixes_it(pve, tmp_path):

@@ -1,10 +1,13 @@
 """`ping`: everything doctor needs to know from inside the target, in one round trip.
 
+Request: {workdir, venv_profile: {...} (optional: the target's venv profile; default the running
+interpreter), gpu_timeout}.
 Result keys: python {version, executable}, tmux (version string or null), uv ({version, path} or null),
 gpus {gpus: [...], reason}, disk {path, free_bytes, total_bytes}, bundle_hash, hostname,
 workdir {path, writable, error}, inductor_cache_dir {path, writable, error}, venv (path of
-`<workdir>/venvs/current` or null). Creating the workdir and `<workdir>/inductor-cache` is part of the
-check (they are ours); nothing else is written.
+`<workdir>/venvs/current` or null), driver {info: DriverInfo fields, venv: {torch, cuda, venv, error}}
+(orchestrator.agent.driver: what doctor compares). Creating the workdir and `<workdir>/inductor-cache`
+is part of the check (they are ours); nothing else is written.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
+from orchestrator.agent import driver as nvdriver
 from orchestrator.agent.gpu import query_gpus
 from orchestrator.agent.protocol import AgentFailure
 
@@ -103,10 +107,11 @@ def run(request: dict, emit) -> dict:
     workdir = request.get("workdir")
     if not isinstance(workdir, str) or not os.path.isabs(workdir):
         raise AgentFailure("BadRequest", f"ping needs an absolute workdir, got {workdir!r}")
-    # nvidia-smi, tmux and uv are independent subprocesses; ask them at once (nvidia-smi alone can take
-    # a second on a big box).
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    # nvidia-smi (twice: the GPU query and the bare header), tmux and uv are independent subprocesses; ask
+    # them at once (nvidia-smi alone can take a second on a big box).
+    with ThreadPoolExecutor(max_workers=4) as pool:
         f_gpus = pool.submit(query_gpus, float(request.get("gpu_timeout", 30)))
+        f_driver = pool.submit(nvdriver.probe, float(request.get("gpu_timeout", 30)))
         f_tmux = pool.submit(_tmux)
         f_uv = pool.submit(_uv)
         wd = writable_dir(workdir)
@@ -127,4 +132,6 @@ def run(request: dict, emit) -> dict:
         "workdir": wd,
         "inductor_cache_dir": cache,
         "venv": os.path.realpath(current) if os.path.exists(current) else None,
+        "driver": {"info": f_driver.result().to_dict(),
+                   "venv": nvdriver.venv_torch(workdir, request.get("venv_profile") or {})},
     }
