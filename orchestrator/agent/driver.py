@@ -349,6 +349,16 @@ def venv_torch(workdir: str, profile) -> dict:
     return {"torch": fp.get("torch"), "cuda": fp.get("cuda"), "venv": fp.get("venv"), "error": fp.get("error")}
 
 
+def profile_lock(profile: dict | None) -> str | None:
+    """The lock a venv profile (a dict, as requests carry it) builds from, for the fixes: None for the
+    workstation profile (the running interpreter's torch), else its `lock` (the uv default `cuda`)."""
+    from orchestrator.agent import venvinfo
+
+    if venvinfo._profile_kind(profile) == "workstation":
+        return None
+    return (profile or {}).get("lock") or "cuda"
+
+
 def describe_ok(torch_version: str | None, torch_cuda: str | None, info: DriverInfo) -> str:
     """The one line a passing check prints."""
     if not torch_cuda:

@@ -98,7 +98,7 @@ def _driver_checks(rep: DoctorReport, ping: dict, venv: dict, target: str) -> No
         rep.add(CUDA_CHECK, SKIP, "the target's agent does not report the driver")
         return
     info, torch = nvdriver.DriverInfo.from_dict(found.get("info")), found.get("venv") or {}
-    lock = venv.get("lock") if venv.get("kind", "uv") == "uv" else None
+    lock = nvdriver.profile_lock(venv)
     problem = nvdriver.check_library(info)
     if problem:
         rep.add(LIB_CHECK, FAIL, problem.message, problem.fix(lock=lock, target=target))

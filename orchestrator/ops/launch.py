@@ -12,11 +12,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orchestrator import names
+from orchestrator.agent.driver import PROBLEM_TYPES as DRIVER_PROBLEMS
 from orchestrator.errors import AgentError, PreflightError, UserError
 from orchestrator.inventory import check_name, check_run_ref
 
 # Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
-REFUSALS = {"GpuBusy", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch", "NothingToResume"}
+REFUSALS = {"GpuBusy", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch", "NothingToResume",
+            *DRIVER_PROBLEMS}
 DEFAULT_GRACE_S = 20.0
 DEFAULT_RELEASE_TIMEOUT_S = 120.0
 

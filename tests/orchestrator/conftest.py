@@ -67,22 +67,25 @@ def claim_cuda_venv():
 
 def _claim_cuda_venv(workdir: str | Path, lock: str = "cuda", torch: str = "2.13.0", cuda: str | None = "13.0") -> Path:
     """THE one seam of the driver tests: make `<workdir>/venvs/current` a venv whose fingerprint says its
-    torch was built for CUDA `cuda` (from lock `lock`). torch cannot run CUDA on this machine, so no venv
-    built here can say so; everything the checks compare it with (the stand-in nvidia-smi, the container's
-    /proc/driver, the agent, doctor, launch) is real. Returns the venv directory."""
+    torch was built for CUDA `cuda`. torch cannot run CUDA on this machine, so no venv built here can say
+    so; everything the checks compare it with (the stand-in nvidia-smi, the container's /proc/driver, the
+    agent, doctor, launch) is real. An existing current venv keeps its files and lock hash (only torch and
+    cuda change); else one fingerprinted as built from lock `lock` is made. Returns the venv directory."""
     from orchestrator.agent import venvinfo
     from orchestrator.ops.lock import resolve_lock
 
-    lock_hash = resolve_lock(lock).hash
     venvs = Path(workdir) / "venvs"
-    venv = venvs / f"{lock_hash}-20250611T095812.114Z"
-    venv.mkdir(parents=True, exist_ok=True)
-    fp = {"kind": "uv", "venv": venv.name, "lock_hash": lock_hash, "bundle_hash": None, "python": "3.11.2",
-          "torch": torch, "cuda": cuda, "packages": {"torch": torch}, "freeze": [f"torch=={torch}"]}
+    current = venvs / "current"
+    if current.is_dir():
+        venv = current.resolve()
+        fp = json.loads((venv / venvinfo.FINGERPRINT).read_text())
+    else:
+        lock_hash = resolve_lock(lock).hash
+        venv = venvs / f"{lock_hash}-20250611T095812.114Z"
+        venv.mkdir(parents=True, exist_ok=True)
+        fp = {"kind": "uv", "venv": venv.name, "lock_hash": lock_hash, "bundle_hash": None, "python": "3.11.2"}
+        (venv / venvinfo.STAMP).write_text(f"{lock_hash} - 3.11\n")
+        current.symlink_to(venv.name)
+    fp.update(torch=torch, cuda=cuda, packages={**fp.get("packages", {}), "torch": torch})
     (venv / venvinfo.FINGERPRINT).write_text(json.dumps(fp) + "\n")
-    (venv / venvinfo.STAMP).write_text(f"{lock_hash} - 3.11\n")
-    link = venvs / "current"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(venv.name)
     return venv

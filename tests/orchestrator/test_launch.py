@@ -373,6 +373,61 @@ def test_container_venv_mismatch_is_refused(fake_pve):
         fake_pve.remove_container(303)
 
 
+def test_container_launch_on_gpus_refuses_a_driver_too_old_for_the_venvs_torch(fake_pve, claim_cuda_venv):
+    ct = make_ct(fake_pve, 306)
+    ct.set_driver("550.54.15", "12.4")
+    ct.set_kernel_module("550.54.15")
+    claim_cuda_venv(ct.workdir, torch="2.13.0", cuda="13.0")  # PyPI's torch 2.13.0: a CUDA 13.0 build
+    try:
+        t = ct_target(fake_pve, ct)
+        spec = ct_spec("drv", ["true"], gpus=[0, 1])  # a uv profile: its lock is the default, cuda
+        with pytest.raises(PreflightError) as info:
+            launch(t, spec)
+        assert info.value.agent_type == "DriverTooOld"
+        assert info.value.message == (
+            "launch drv on ct refused: the venv's torch 2.13.0 is built for CUDA 13.0, but the NVIDIA driver "
+            "550.54.15 runs CUDA 12.4 at most (CUDA 13.x needs driver >= 580)")
+        assert "dflashctl lock cuda --extra-index-url https://download.pytorch.org/whl/cu126" in info.value.fix
+        assert "--target ct" in info.value.fix and info.value.data["gpus"] == [0, 1]
+        assert not (Path(ct.workdir) / "runs").exists()  # refused before anything was written
+        with pytest.raises(PreflightError) as dry:
+            launch(t, spec, dry_run=True)
+        assert dry.value.agent_type == "DriverTooOld"
+        # The same torch on a driver that runs CUDA 13, and a run without GPUs on the old one, start.
+        ct.set_driver("580.65.06", "13.0")
+        ct.set_kernel_module("580.65.06")
+        assert wait_exit(launch(t, spec).run_dir)["exit_code"] == 0
+        ct.set_driver("550.54.15", "12.4")
+        ct.set_kernel_module("550.54.15")
+        assert wait_exit(launch(t, ct_spec("cpu-only", ["true"], gpus=[])).run_dir)["exit_code"] == 0
+        t.close()
+    finally:
+        fake_pve.remove_container(306)
+
+
+def test_container_launch_refuses_a_driver_library_kernel_module_mismatch(fake_pve, dflashctl, tmp_path):
+    ct = make_ct(fake_pve, 307)
+    ct.set_driver("550.54.15", "12.4")   # the container's libraries
+    ct.set_kernel_module("570.133.20")   # the host's module after a host upgrade
+    inv = {
+        "hosts": {"pve": fake_pve.host_entry()},
+        "targets": {"ct": {"kind": "container", "host": "pve", "ctid": 307, "workdir": ct.workdir, "venv": "gpu"}},
+        "venvs": {"gpu": {"kind": "uv", "lock": "cuda"}},
+        "experiments": {"mm": {"kind": "command", "target": "ct", "gpus": [2], "command": ["true"]}},
+    }
+    (tmp_path / "inv.yaml").write_text(json.dumps(inv))
+    try:
+        res = dflashctl("-i", str(tmp_path / "inv.yaml"), "launch", "mm")
+        out = " ".join((res.stdout + res.stderr).split())
+        assert res.returncode == 1, out
+        assert "launch mm on ct refused: the container's libnvidia-ml 550.54 does not match the host's NVIDIA " \
+               "kernel module 570.133.20" in out
+        assert "sh NVIDIA-Linux-x86_64-570.133.20.run --no-kernel-modules" in out
+        assert "Traceback" not in out and not (Path(ct.workdir) / "runs").exists()
+    finally:
+        fake_pve.remove_container(307)
+
+
 def test_container_launch_is_one_pct_exec_and_hostile_tags_make_none(pve):
     ct = make_ct(pve, 304)
     try:

@@ -11,9 +11,10 @@ Events: progress steps lock, session, stop, resume, gpus, venv, rundir, layout, 
 message).
 Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, resumed_from, dry_run,
          config (kind dflash: as written to config.json), env_fingerprint, bundle_hash, plan: {...} (dry run)}
-Refusals (AgentFailure types): LockHeld, SessionExists, GpuBusy, VenvMismatch, ResumeNotFound,
-ResumeMismatch, NothingToResume, BadRequest, BadName, BadRunId. A failed warm-up is WarmupFailed and a failed
-seeding of a resumed run ResumeFailed: either way the run's exit.json is written and no session is started.
+Refusals (AgentFailure types): LockHeld, SessionExists, DriverTooOld and DriverLibraryMismatch (a run on
+GPUs whose NVIDIA driver cannot run the venv's torch: orchestrator.agent.driver), GpuBusy, VenvMismatch,
+ResumeNotFound, ResumeMismatch, NothingToResume, BadRequest, BadName, BadRunId. A failed warm-up is
+WarmupFailed and a failed seeding of a resumed run ResumeFailed: either way the run's exit.json is written and no session is started.
 """
 
 from __future__ import annotations
@@ -144,6 +145,24 @@ def _preflight_gpus(gpus: list[int], threshold: int) -> list[dict]:
             data={"busy": busy, "threshold_mib": threshold, "gpus": seen},
         )
     return seen
+
+
+def _preflight_driver(workdir: str, request: dict, gpus: list[int], emit) -> None:
+    """A run on GPUs: the NVIDIA driver must run the venv's torch, and its libraries must match the kernel
+    module (checked before the GPU query, which a library mismatch would only report as unreadable)."""
+    if not gpus:
+        return
+    from orchestrator.agent import driver
+
+    profile = request.get("venv_profile") or {}
+    torch = driver.venv_torch(workdir, profile)
+    info = driver.probe()
+    problems = driver.check(torch.get("cuda"), info, torch.get("torch"))
+    if problems:
+        p = problems[0]
+        fix = p.fix(lock=driver.profile_lock(profile), target=request.get("target"))
+        raise AgentFailure(p.type, p.message, fix=fix, data={**p.data, "gpus": gpus})
+    emit.progress("driver", driver.describe_ok(torch.get("torch"), torch.get("cuda"), info), driver=info.driver)
 
 
 def _fingerprint(workdir: str, request: dict, emit) -> dict:
@@ -312,6 +331,7 @@ def run(request: dict, emit) -> dict:
         # After a --replace stop, so `--replace --resume <the live run>` continues from its final checkpoint.
         src = _resume_source(workdir, request, emit)
         gpus = _run_gpus(request, src, emit)
+        _preflight_driver(workdir, request, gpus, emit)
         seen = _preflight_gpus(gpus, threshold)
         if gpus:
             emit.progress("gpus", f"GPUs {gpus} idle (under {threshold} MiB)")
@@ -429,6 +449,7 @@ def _plan(request, workdir, run_id, session, threshold, replace, emit) -> dict:
         emit.progress("session", f"would clear the finished session {session}")
     src = _resume_source(workdir, request, emit)
     gpus = _run_gpus(request, src, emit)
+    _preflight_driver(workdir, request, gpus, emit)
     if would_stop is None:
         _preflight_gpus(gpus, threshold)
     fingerprint = _fingerprint(workdir, request, emit)
