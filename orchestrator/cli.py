@@ -1,9 +1,11 @@
 """The `dflashctl` command line: thin. Each verb lives in `orchestrator/commands/<verb>.py`, which parses
-its flags, makes one call into `orchestrator.ops`, and renders the typed result with rich.
+its flags, makes one call into `orchestrator.ops`, and renders the typed result with rich; every module is
+imported and registered explicitly below.
 
 Heavy modules (paramiko, torch, transformers) are imported lazily inside the command functions, so
 `dflashctl --help` answers fast. One error handler at the top: a one-line message with the fix; the
-traceback only with `--verbose`.
+traceback only with `--verbose`. Usage errors are click's own exceptions (its message and suggestion),
+printed as one line with exit 2.
 """
 
 from __future__ import annotations
@@ -14,17 +16,7 @@ import sys
 
 import typer
 
-# Command modules, each exposing `register(app: typer.Typer) -> None`. Add one line per new verb.
-COMMAND_MODULES = [
-    "orchestrator.commands.doctor",
-    "orchestrator.commands.trust",
-    "orchestrator.commands.diagnose",
-    "orchestrator.commands.venv",
-    "orchestrator.commands.launch",
-    "orchestrator.commands.logs",
-    "orchestrator.commands.metrics",
-    "orchestrator.commands.warmup",
-]
+from orchestrator.commands import diagnose, doctor, launch, logs, metrics, trust, venv, warmup
 
 app = typer.Typer(
     name="dflashctl",
@@ -51,38 +43,47 @@ def _global(
     GlobalOptions.verbose = verbose
 
 
-def _register_all() -> None:
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # a verb not built yet: leave it out rather than break the CLI
-                continue
-            raise
-        module.register(app)
+# Every verb, registered explicitly: a missing verb module is an ImportError here, never a silent gap.
+for _module in (doctor, trust, diagnose, venv, launch, logs, metrics, warmup):
+    _module.register(app)
+
+
+def _click_exceptions():
+    """The exceptions module of the click that typer runs on: newer typer releases carry their own copy
+    (`typer._click`), older ones use the click package. typer.BadParameter comes from it either way."""
+    return importlib.import_module(typer.BadParameter.__module__)
+
+
+def _usage_error(exc) -> int:
+    """Print a click usage error as one line, `error: <click's message> (see: <command> --help)`, on stderr.
+
+    click's own message keeps its suggestion ("Did you mean 'launch'?"). Bare `dflashctl` (no_args_is_help)
+    is shown by click's own handler: the help text.
+    """
+    from orchestrator.render import console, text
+
+    errors = _click_exceptions()
+    if isinstance(exc, getattr(errors, "NoArgsIsHelpError", ())):
+        if exc.format_message():  # typer's rich help has printed itself already; click's plain one has not
+            exc.show()
+        return exc.exit_code
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+    console(stderr=True).print(text(("error:", "bold red"), f" {exc.format_message()}{hint}"), soft_wrap=True)
+    return exc.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the app, map DflashError to its exit code and a readable message."""
+    """Entry point: run the app; map DflashError to its exit code and a readable message, a usage error to
+    one line and exit 2."""
     from orchestrator.errors import DflashError
 
-    _register_all()
     try:
         # With standalone_mode=False click turns `raise typer.Exit(n)` into a return value, not an exception.
-        rc = app(args=argv, standalone_mode=False)
+        rc = app(args=argv, prog_name="dflashctl", standalone_mode=False)
         return rc if isinstance(rc, int) else 0
     except DflashError as exc:
-        from rich.console import Console
-
-        err = Console(stderr=True, highlight=False)
-        if GlobalOptions.verbose or os.environ.get("DFLASHCTL_VERBOSE"):
-            import traceback
-
-            traceback.print_exc()
-        err.print(f"[bold red]error:[/] {exc.message}", markup=True, soft_wrap=True)
-        if exc.fix:
-            err.print(f"[bold]fix:[/] {exc.fix}", markup=True, soft_wrap=True)
-        return exc.exit_code
+        return _dflash_error(exc)
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
@@ -91,13 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # click usage errors come here with standalone_mode=False
-        import click
+    except _click_exceptions().ClickException as exc:  # usage errors come here with standalone_mode=False
+        return _usage_error(exc)
 
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return exc.exit_code
-        raise
+
+def _dflash_error(exc) -> int:
+    """Print a DflashError as `error: ...` and `fix: ...` (literal text, never markup); the traceback only
+    with --verbose or $DFLASHCTL_VERBOSE."""
+    from orchestrator.render import console, text
+
+    if GlobalOptions.verbose or os.environ.get("DFLASHCTL_VERBOSE"):
+        import traceback
+
+        traceback.print_exc()
+    err = console(stderr=True)
+    err.print(text(("error:", "bold red"), f" {exc.message}"), soft_wrap=True)
+    if exc.fix:
+        err.print(text(("fix:", "bold"), f" {exc.fix}"), soft_wrap=True)
+    return exc.exit_code
 
 
 def run() -> None:  # pragma: no cover - console script shim

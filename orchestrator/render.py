@@ -2,6 +2,10 @@
 
 Commands render typed results from orchestrator.ops with these; nothing here decides anything.
 rich is imported lazily so importing this module stays cheap.
+
+Every message and cell is literal text, never rich markup: `[localhost]:2222`, `[rank0]:` and
+`filenames=[f]` print as written. The console has markup off; styled parts are `Text` objects built by
+`text()`, whose strings are never parsed.
 """
 
 from __future__ import annotations
@@ -15,10 +19,18 @@ STATUS_STYLE = {"ok": "green", "fail": "bold red", "warn": "yellow", "skip": "di
 
 
 def console(stderr: bool = False):
-    """A rich Console (no syntax highlighting of numbers/paths: output is data)."""
+    """A rich Console that prints strings literally: no markup, no highlighting of numbers/paths (output
+    is data). Style goes through `text()`."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, markup=False)
+
+
+def text(*parts: str | tuple[str, str]):
+    """A rich Text from plain strings and (string, style) pairs; no string is parsed as markup."""
+    from rich.text import Text
+
+    return Text.assemble(*parts)
 
 
 def print_json(data: Any) -> None:
@@ -28,21 +40,25 @@ def print_json(data: Any) -> None:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]], styles: dict[int, str] | None = None):
-    """A rich Table with the given columns; `styles` maps a column index to a style."""
+    """A rich Table with the given columns; `styles` maps a column index to a style. Title, headers and
+    cells are literal text (a Text cell keeps its own style)."""
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=title, title_justify="left", show_lines=False)
+    def cell(v: Any) -> Text:
+        return v if isinstance(v, Text) else Text("" if v is None else str(v))
+
+    t = Table(title=None if title is None else Text(title), title_justify="left", show_lines=False)
     for i, col in enumerate(columns):
-        t.add_column(col, style=(styles or {}).get(i), overflow="fold")
+        t.add_column(cell(col), style=(styles or {}).get(i), overflow="fold")
     for row in rows:
-        t.add_row(*("" if v is None else str(v) for v in row))
+        t.add_row(*(cell(v) for v in row))
     return t
 
 
-def status_text(status: str) -> str:
-    """A check status as rich markup (ok green, fail red, ...)."""
-    style = STATUS_STYLE.get(status, "")
-    return f"[{style}]{status}[/]" if style else status
+def status_text(status: str):
+    """A check status as styled text (ok green, fail red, ...)."""
+    return text((status, STATUS_STYLE.get(status, "")))
 
 
 class EventPrinter:
@@ -60,11 +76,11 @@ class EventPrinter:
             return
         kind = event.get("event")
         if kind == "progress":
-            step = event.get("step", "")
-            msg = event.get("message", "")
-            self._console.print(f"[cyan]{step}[/] {msg}".rstrip(), markup=True)
+            step = str(event.get("step", ""))
+            msg = str(event.get("message", ""))
+            self._console.print(text((step, "cyan"), f" {msg}".rstrip()))
         elif kind == "log":
-            self._console.print(event.get("line", ""), markup=False)
+            self._console.print(str(event.get("line", "")))
         else:
             extra = {k: v for k, v in event.items() if k != "event"}
-            self._console.print(f"[dim]{kind}[/] {json.dumps(extra, default=str)}", markup=True)
+            self._console.print(text((str(kind), "dim"), " " + json.dumps(extra, default=str)))

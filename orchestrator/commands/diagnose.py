@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from orchestrator.cli import GlobalOptions
         from orchestrator.ops.diagnose import catalogue_for, diagnose
-        from orchestrator.render import console, print_json, table
+        from orchestrator.render import console, print_json, table, text
 
         report = diagnose(logfile, catalogue_for(GlobalOptions.inventory))
         if as_json:
@@ -35,20 +35,18 @@ def register(app: typer.Typer) -> None:
                         ["signature", "severity", "count", "first line", "title"], rows))
         worst = report.worst
         example = worst.examples[0]
-        out.print(f"\n[bold]{worst.title}[/]  (line {worst.first_line})", markup=True)
+        out.print(text("\n", (worst.title, "bold"), f"  (line {worst.first_line})"))
         if example.kind == "traceback":
-            out.print(f"  exception: {example.exception}", markup=False)
+            out.print(f"  exception: {example.exception}")
             if example.last_frame:
                 f = example.last_frame
-                out.print(f"  last frame: {f.file}:{f.line} in {f.function}", markup=False)
+                out.print(f"  last frame: {f.file}:{f.line} in {f.function}")
         else:
-            out.print(f"  line: {example.text.strip()}", markup=False)
-        out.print("[bold]diagnosis:[/] ", markup=True, end="")
-        out.print(worst.diagnosis, markup=False)
-        out.print("[bold]fix:[/] ", markup=True, end="")
-        out.print(worst.fix, markup=False)
+            out.print(f"  line: {example.text.strip()}")
+        out.print(text(("diagnosis:", "bold"), f" {worst.diagnosis}"))
+        out.print(text(("fix:", "bold"), f" {worst.fix}"))
         if worst.not_this:
-            out.print("[bold]will not help:[/]", markup=True)
+            out.print(text(("will not help:", "bold")))
             for item in worst.not_this:
-                out.print(f"  - {item}", markup=False)
+                out.print(f"  - {item}")
         raise typer.Exit(report.exit_code)

@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
         from orchestrator.cli import GlobalOptions
         from orchestrator.inventory import load_inventory
         from orchestrator.ops.doctor import doctor
-        from orchestrator.render import console, print_json, status_text, table
+        from orchestrator.render import console, print_json, status_text, table, text
 
         inv = load_inventory(GlobalOptions.inventory)
         report = doctor(inv, target or inv.default_target())
@@ -26,6 +26,6 @@ def register(app: typer.Typer) -> None:
             out = console()
             out.print(table(f"doctor: {report.target} ({report.kind}, {inv.source})",
                             ["check", "status", "detail", "fix"], rows))
-            out.print("[green]all checks passed[/]" if report.ok else "[bold red]some checks failed[/]")
+            out.print(text(("all checks passed", "green")) if report.ok else text(("some checks failed", "bold red")))
         if not report.ok:
             raise typer.Exit(1)

@@ -20,13 +20,13 @@ def _inv():
 def _follow(inv, run_id: str, target: str) -> int:
     """Follow the new run's log with the logs verb; returns the run's outcome as an exit code."""
     from orchestrator.ops.logs import logs
-    from orchestrator.render import console
+    from orchestrator.render import console, text
 
     err = console(stderr=True)
     outcome = logs(inv, run_id, target=target, following=True,
                    on_line=lambda line: (sys.stdout.write(line if line.endswith("\n") else line + "\n"), sys.stdout.flush()),
-                   on_match=lambda m: err.print(f"[bold red]signature:[/] {getattr(m, 'message', m)}", markup=True),
-                   on_status=lambda s: err.print(f"[dim]{s}[/]", markup=True))
+                   on_match=lambda m: err.print(text(("signature:", "bold red"), f" {getattr(m, 'message', m)}")),
+                   on_status=lambda s: err.print(text((str(s), "dim"))))
     err.print(f"run {run_id}: {outcome.state}")
     return outcome.exit_code
 
@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Preflight (GPUs idle, no live session, venv = lock), write runs/<id>/, start it in tmux."""
         from orchestrator.ops.launch import launch, spec_from_inventory
-        from orchestrator.render import EventPrinter, console, print_json
+        from orchestrator.render import EventPrinter, console, print_json, text
         from orchestrator.target import open_target
 
         inv = _inv()
@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
             out.soft_wrap = True  # paths and command lines stay whole (copy-pastable)
             if result.dry_run:
                 plan = result.plan or {}
-                out.print(f"[bold]plan[/] (dry run, nothing changed) for {result.experiment} on {result.target}")
+                out.print(text(("plan", "bold"), f" (dry run, nothing changed) for {result.experiment} on {result.target}"))
                 out.print(f"  run id:   {result.run_id}\n  run dir:  {result.run_dir}\n  session:  {result.session}")
                 out.print(f"  GPUs:     {result.gpus or 'none (CPU)'}  env: {plan.get('env')}")
                 out.print(f"  command:  {shlex.join(result.command)}")
@@ -76,9 +76,10 @@ def register(app: typer.Typer) -> None:
                 if plan.get("would_stop"):
                     out.print(f"  replaces: {plan['would_stop']} (SIGINT, then SIGTERM/SIGKILL after {grace:.0f} s)")
             else:
-                out.print(f"[green]launched[/] {result.run_id} in tmux session {result.session} on {result.target}"
-                          + (f" (replaced {result.replaced})" if result.replaced else "")
-                          + (f" (continues {result.resumed_from})" if result.resumed_from else ""))
+                out.print(text(("launched", "green"),
+                               f" {result.run_id} in tmux session {result.session} on {result.target}"
+                               + (f" (replaced {result.replaced})" if result.replaced else "")
+                               + (f" (continues {result.resumed_from})" if result.resumed_from else "")))
                 out.print(f"  follow: dflashctl logs {result.run_id} --follow    attach: dflashctl attach {result.run_id}")
         if follow and not dry_run:
             raise typer.Exit(_follow(inv, result.run_id, result.target))
@@ -91,7 +92,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Container state, GPUs (used/total MiB), tmux sessions and runs with their state."""
         from orchestrator.ops.status import status
-        from orchestrator.render import console, print_json, table
+        from orchestrator.render import console, print_json, table, text
         from orchestrator.target import open_target
 
         inv = _inv()
@@ -104,8 +105,8 @@ def register(app: typer.Typer) -> None:
             print_json(st.to_dict())
             return
         out = console()
-        out.print(f"[bold]{st.target}[/]: {st.state}" + (f" ({st.hostname})" if st.hostname else "")
-                  + (f"  workdir {st.workdir}" if st.workdir else ""))
+        out.print(text((st.target, "bold"), f": {st.state}" + (f" ({st.hostname})" if st.hostname else "")
+                       + (f"  workdir {st.workdir}" if st.workdir else "")))
         if st.note:
             out.print(f"  {st.note}")
         if st.gpus:

@@ -26,20 +26,22 @@ def _json(kind: str, data) -> None:
 
 
 def _print_match(err, m: dict) -> None:
+    from orchestrator.render import text
+
     sev = m.get("severity") or "error"
     style = "bold red" if sev in ("error", "fatal") else "yellow"
-    err.print(f"[{style}]{sev}: {m.get('title')}[/] [dim]({m.get('signature')}, log line {m.get('line_no')})[/]",
-              markup=True, soft_wrap=True)
+    err.print(text((f"{sev}: {m.get('title')}", style), " ",
+                   (f"({m.get('signature')}, log line {m.get('line_no')})", "dim")), soft_wrap=True)
     if m.get("exception"):
-        err.print(f"  exception: {m['exception']}", markup=False, soft_wrap=True)
+        err.print(f"  exception: {m['exception']}", soft_wrap=True)
     frame = m.get("last_frame")
     if frame:
-        err.print(f"  last frame: {frame.get('file')}:{frame.get('line')} in {frame.get('function')}", markup=False, soft_wrap=True)
+        err.print(f"  last frame: {frame.get('file')}:{frame.get('line')} in {frame.get('function')}", soft_wrap=True)
     for label in ("diagnosis", "fix"):
         if m.get(label):
-            err.print(f"  {label}: {m[label]}", markup=False, soft_wrap=True)
+            err.print(f"  {label}: {m[label]}", soft_wrap=True)
     for wrong in m.get("not_this") or ():
-        err.print(f"  will not help: {wrong}", markup=False, soft_wrap=True)
+        err.print(f"  will not help: {wrong}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -56,7 +58,7 @@ def register(app: typer.Typer) -> None:
         from orchestrator.cli import GlobalOptions
         from orchestrator.inventory import load_inventory
         from orchestrator.ops.logs import logs
-        from orchestrator.render import console
+        from orchestrator.render import console, text
 
         if raw and as_json:
             raise typer.BadParameter("--raw and --json exclude each other")
@@ -70,8 +72,9 @@ def register(app: typer.Typer) -> None:
         else:
             hooks = dict(on_line=_write,
                          on_match=None if quiet else (lambda m: _print_match(err, m)),
-                         on_alert=None if quiet else (lambda a: err.print(f"[bold yellow]alert ({a.kind}):[/] {a.message}", markup=True, soft_wrap=True)),
-                         on_status=None if quiet else (lambda s: err.print(f"[dim]{s}[/]", markup=True)))
+                         on_alert=None if quiet else (lambda a: err.print(text((f"alert ({a.kind}):", "bold yellow"),
+                                                                               f" {a.message}"), soft_wrap=True)),
+                         on_status=None if quiet else (lambda s: err.print(text((str(s), "dim")))))
         inv = load_inventory(GlobalOptions.inventory)
         try:
             outcome = logs(inv, ref, target=target, following=follow, tail=None if tail < 0 else tail, **hooks)
@@ -86,5 +89,5 @@ def register(app: typer.Typer) -> None:
             detail = f" (exit code {code})" if code is not None else ""
             if outcome.state == "lost":
                 detail = f": {outcome.error}"
-            err.print(f"run {outcome.run_id}: {outcome.state}{detail}", markup=False)
+            err.print(f"run {outcome.run_id}: {outcome.state}{detail}")
         raise typer.Exit(outcome.exit_code)

@@ -28,7 +28,8 @@ class _Progress:
 
             from orchestrator.render import console
 
-            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+            # markup=False: a step's message is literal text ("[localhost]:2222" stays as written).
+            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(),
                                      MofNCompleteColumn(), console=console(stderr=True), transient=True)
             self.progress.start()
             self.task = self.progress.add_task("rebuild-venv", total=None)
@@ -43,14 +44,17 @@ class _Progress:
             return
         kind = event.get("event")
         if kind == "progress":
-            desc = f"[cyan]{event.get('step', '')}[/] {event.get('message', '')}"
+            from orchestrator.render import text
+
+            step, message = str(event.get("step", "")), str(event.get("message", ""))
+            desc = f"{step} {message}"
             if event.get("n"):
                 self.progress.update(self.task, description=desc, total=event["n"], completed=event.get("i", 0))
             else:
                 self.progress.update(self.task, description=desc, total=None)
-                self.progress.console.print(desc, markup=True)
+                self.progress.console.print(text((step, "cyan"), f" {message}"))
         elif kind == "log":
-            self.progress.console.print(f"  {event.get('line', '')}", markup=False, style="dim")
+            self.progress.console.print(f"  {event.get('line', '')}", style="dim")
 
 
 def register(app: typer.Typer) -> None:
@@ -121,8 +125,7 @@ def register(app: typer.Typer) -> None:
         profiles = [profile] if profile else sorted(p.stem for p in LOCKS_DIR.glob("*.in"))
         for name in profiles:
             rep = compile_lock(name, upgrade_packages=upgrade_package, find_links=find_links, index_url=index_url,
-                               extra_index_urls=extra_index_url, on_line=lambda line: err.print(line, markup=False,
-                                                                                                style="dim"))
+                               extra_index_urls=extra_index_url, on_line=lambda line: err.print(line, style="dim"))
             what = "unchanged" if rep.unchanged else f"{rep.old_hash} -> {rep.hash}"
             out.print(f"{name}: {rep.packages} packages, {what} ({rep.path})")
             for pkg, (old, new) in rep.changed.items():

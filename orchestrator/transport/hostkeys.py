@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import shlex
 import socket
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def changed_key_error(key_name: str, expected: paramiko.PKey, got: paramiko.PKey
         f"connection) or the host was reinstalled. known_hosts ({known_hosts}) has {expected.get_name()} "
         f"{fingerprint(expected)}, the host now offers {got.get_name()} {fingerprint(got)}. Refusing to connect",
         fix=f"verify the new key on the host out of band, then remove the old entry with "
-        f"`ssh-keygen -R '{key_name}' -f {known_hosts}` and run dflashctl trust again",
+        f"`ssh-keygen -R {shlex.quote(key_name)} -f {shlex.quote(str(known_hosts))}` and run dflashctl trust again",
     )
 
 

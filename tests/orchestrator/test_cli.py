@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "paramiko", "fabric", "invoke", "libtmux")
 
@@ -163,3 +165,81 @@ def test_event_printer_writes_progress_to_stderr_only(capsys):
     assert "[bold]not markup[/]" in err  # log lines are data, never rich markup
     assert 'custom {"x": 1}' in err
     assert "hidden" not in err
+
+
+# ------------------------------------------------------------------ the installed console script: usage errors
+
+def _one_error_line(res: subprocess.CompletedProcess) -> str:
+    """The usage error's single stderr line (exit 2, nothing on stdout, no traceback)."""
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+def test_a_misspelt_verb_gets_clicks_suggestion(dflashctl):
+    line = _one_error_line(dflashctl("lauch", "tiny"))
+    assert "No such command 'lauch'" in line and "Did you mean 'launch'?" in line
+
+
+def test_an_unknown_option_and_a_bad_value_are_one_line(dflashctl):
+    line = _one_error_line(dflashctl("launch", "tiny", "--bogus"))
+    # click's wording varies by release ("No such option: --bogus", "No such option '--bogus'.")
+    assert line.startswith("error: No such option") and "--bogus" in line
+    assert line.endswith("(see: dflashctl launch --help)")
+    line = _one_error_line(dflashctl("logs", "--tail", "abc"))
+    assert line.startswith("error: Invalid value for '--tail'") and line.endswith("(see: dflashctl logs --help)")
+
+
+def test_bare_dflashctl_prints_the_help_without_a_traceback(dflashctl):
+    res = dflashctl()
+    assert res.returncode in (0, 2), res.stderr  # click 8.2+ says 2 (NoArgsIsHelpError), older clicks 0
+    assert "Traceback" not in res.stderr
+    assert "Usage" in res.stdout + res.stderr and "launch" in res.stdout + res.stderr
+
+
+VERBS = [["doctor"], ["trust", "h"], ["diagnose", "f"], ["rebuild-venv"], ["lock"], ["launch", "tiny"], ["status"],
+         ["stop", "r"], ["attach", "r"], ["logs"], ["metrics"], ["warmup"], ["runs"], ["runs", "diff", "a", "b"]]
+
+
+@pytest.mark.parametrize("verb", VERBS, ids=lambda v: " ".join(v[:2]))
+def test_every_verb_answers_a_usage_error_with_one_line_and_exit_2(dflashctl, verb):
+    line = _one_error_line(dflashctl(*verb, "--no-such-flag"))
+    path = " ".join(w for w in verb if w in ("runs", "diff") or w == verb[0])
+    assert line.startswith("error: No such option") and "--no-such-flag" in line
+    assert line.endswith(f"(see: dflashctl {path} --help)")
+
+
+def _readme_verbs() -> list[list[str]]:
+    """The verbs of README's `## Commands` block: `dflashctl VERB ...`, `| VERB ...`, `runs diff`."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Commands", 1)[1].split("```", 2)[1]
+    verbs: list[list[str]] = []
+    for line in block.splitlines():
+        for part in line.split("|"):
+            words = part.split()
+            if words and words[0] == "dflashctl":
+                words = words[1:]
+            if words and words[0].islower() and words[0].replace("-", "").isalpha():
+                verb = words[:2] if words[:2] == ["runs", "diff"] else words[:1]
+                if verb not in verbs:
+                    verbs.append(verb)
+    return verbs
+
+
+def test_every_verb_the_readme_lists_answers_help(dflashctl):
+    verbs = _readme_verbs()
+    assert len(verbs) >= 14 and ["runs", "diff"] in verbs and ["attach"] in verbs, verbs
+    for verb in verbs:
+        res = dflashctl(*verb, "--help")
+        assert res.returncode == 0, (verb, res.stderr)
+        assert "Usage" in res.stdout and f"dflashctl {' '.join(verb)}" in res.stdout, (verb, res.stdout)
+
+
+def test_a_missing_verb_module_breaks_the_cli_loudly():
+    # Every verb is imported explicitly: a lost module is an ImportError, never a verb silently left out.
+    code = "import sys; sys.modules['orchestrator.commands.warmup'] = None; import orchestrator.cli"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert res.returncode != 0 and "ModuleNotFoundError" in res.stderr and "orchestrator.commands.warmup" in res.stderr
