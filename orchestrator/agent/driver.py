@@ -15,8 +15,9 @@ Two checks, shared by doctor, rebuild-venv (before `current` is switched) and la
 Each mismatch is one Problem naming both versions; `fix_text` turns it into the fix (a lock for a CUDA
 line this driver runs, or the driver version to install in the container without kernel modules).
 
-`python -m orchestrator.agent.driver check (--fingerprint FILE | --lock FILE)` is what rebuild_venv.sh
-runs: JSON events on stdout (the agent protocol's shape), exit 3 after an error event for a mismatch.
+`python -m orchestrator.agent.driver check (--lock FILE | --fingerprint FILE)` is what rebuild_venv.sh
+runs (before the sync, then before the switch): JSON events on stdout (the agent protocol's shape), exit 3
+after an error event for a mismatch; a CPU torch passes whatever the driver's state.
 """
 
 from __future__ import annotations
@@ -395,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.lock, encoding="utf-8") as fh:
             torch_version, torch_cuda = lock_torch(fh.read())
     info = probe()
-    problems = check(torch_cuda, info, torch_version)
+    # A CPU torch uses no GPU: whatever the driver's state, this venv runs (doctor still reports it).
+    problems = check(torch_cuda, info, torch_version) if torch_cuda else []
     if problems:
         first = problems[0]
         _event("error", type=first.type, step="driver", message=first.message, fix=first.fix(),

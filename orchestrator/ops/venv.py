@@ -1,7 +1,8 @@
 """rebuild-venv: a locked, verified uv venv in the target, swapped in atomically, in ONE target command.
 
 The work happens in `templates/rebuild_venv.sh` (bash + python3 + uv: no venv exists yet), run once with
-the lock and this project's bundle (as a wheel) in a tar on stdin. It streams JSON events; this module
+the lock and this project's bundle (as a wheel) in a tar on stdin. The target's NVIDIA driver must run
+the lock's torch (checked before the sync, and again from the fingerprint before the switch). It streams JSON events; this module
 builds its argv and payload, forwards progress, and turns a failure into an error naming the step and
 the reason (resolution error, missing wheel, offline cache miss, the module that does not import).
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from orchestrator.agent import driver
 from orchestrator.agent.venvinfo import BUNDLE_DIST, FINGERPRINT, STAMP
 from orchestrator.errors import AgentError, UserError
 from orchestrator.ops.lock import LockFile, resolve_lock
@@ -330,7 +332,8 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
     Returns:
         A VenvReport (`action` built / noop / rollback / workstation).
     Raises:
-        UserError: bad profile or lock. AgentError: a step failed (its type and step in the message);
+        UserError: bad profile or lock. AgentError: a step failed (its type and step in the message;
+        DriverTooOld / DriverLibraryMismatch: the target's NVIDIA driver cannot run the lock's torch);
         `current` is then as it was. ConnectError / PctError: the target cannot be reached.
     """
     start = time.monotonic()
@@ -361,6 +364,9 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
         raise AgentError(f"rebuild-venv on {target.name} ended (exit {res.exit_code}) without a result{extra}"
                          + (": " + " | ".join(err) if err else ""), agent_type="RebuildDied", result=res)
     if final.get("event") == "error":
+        if final.get("type") in driver.PROBLEM_TYPES:  # the target does not know the lock's or the target's name
+            final = {**final, "fix": driver.fix_text(final["type"], final.get("data") or {}, lock=p.lock,
+                                                     target=target.name)}
         raise classify(final, events.last_import)
     data = final.get("data") or {}
     return VenvReport(

@@ -164,6 +164,20 @@ progress venv "creating $new (python $py_req)"
     || fail VenvFailed "uv venv could not create a python $py_req venv in $new" "install python $py_req in the target, or set the venv profile's python to one it has"
 lap venv
 
+# --- driver: this machine's NVIDIA driver must run the venv's torch (orchestrator/agent/driver.py): from
+# the lock before the sync downloads it, from the fingerprint (torch.version.cuda) before the switch. The
+# new venv's python runs the check with the bundle first on sys.path (-I: nothing else of the environment).
+driver_check() {
+    step=driver
+    PYTHONUNBUFFERED=1 "$new/bin/python" -I -c 'import sys; sys.path.insert(0, sys.argv[1])
+from orchestrator.agent.driver import main; sys.exit(main(sys.argv[2:]))' "$stage/$wheel" check "$@" 2>>"$steplog"
+    local rc=$?
+    [ "$rc" = 3 ] && exit 1  # the check reported both versions and the fix
+    [ "$rc" = 0 ] || fail DriverCheckCrashed "the NVIDIA driver check died with exit code $rc" "see the output below"
+    lap "driver_${1#--}"
+}
+driver_check --lock "$stage/lock.txt"
+
 # --- sync the lock + bundle ------------------------------------------------------------------------------
 step=sync
 : >"$steplog"
@@ -186,6 +200,7 @@ rc=$?
 printf '%s %s %s\n' "$lock_hash" "$bundle_hash" "$py_req" >"$new/.stamp.tmp" && mv -f "$new/.stamp.tmp" "$new/$STAMP" \
     || fail WorkdirError "cannot write $new/$STAMP" "check free disk space"
 lap verify
+driver_check --fingerprint "$new/dflashctl-fingerprint.json"
 
 # --- switch current (previous keeps the old one for --rollback) ----------------------------------------
 step=switch

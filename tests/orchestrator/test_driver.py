@@ -4,7 +4,9 @@ launch against the fake host's stand-in nvidia-smi) live beside each verb's test
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +140,28 @@ def test_fix_text_without_a_known_kernel_module_says_where_to_read_it():
 
 def test_installed_torch_here_is_a_cpu_build():
     assert driver.installed_torch_cuda() is None
+
+
+def test_the_check_command_in_a_container_reads_a_fingerprint(fake_pve, tmp_path):
+    # What rebuild_venv.sh runs after verify, with the fingerprint verify wrote: here one that claims a CUDA
+    # 13.0 torch (the one seam: torch cannot run CUDA on this machine), against the stand-in driver.
+    ct = fake_pve.create_container(341, gpus=1)
+    repo = str(Path(__file__).resolve().parents[2])
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from orchestrator.agent.driver import main; sys.exit(main(sys.argv[2:]))"
+    fp = Path(ct.workdir) / "fp.json"
+    try:
+        ct.set_driver("550.54.15", "12.4")
+        ct.set_kernel_module("550.54.15")
+        fp.write_text(json.dumps({"torch": "2.13.0", "cuda": "13.0"}))
+        res = ct.exec(["python3", "-I", "-c", code, repo, "check", "--fingerprint", str(fp)])
+        assert res.returncode == 3, res.stderr
+        event = json.loads(res.stdout.decode().splitlines()[-1])
+        assert event["event"] == "error" and event["type"] == "DriverTooOld" and event["step"] == "driver"
+        assert event["data"]["driver"] == "550.54.15" and event["data"]["torch_cuda"] == "13.0"
+        # A CPU torch passes even while the driver's libraries and kernel module disagree.
+        ct.set_kernel_module("570.133.20")
+        fp.write_text(json.dumps({"torch": "2.13.0+cpu", "cuda": None}))
+        res = ct.exec(["python3", "-I", "-c", code, repo, "check", "--fingerprint", str(fp)])
+        assert res.returncode == 0 and json.loads(res.stdout.decode())["message"] == "torch 2.13.0+cpu is a CPU build"
+    finally:
+        fake_pve.remove_container(341)

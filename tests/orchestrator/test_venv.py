@@ -385,6 +385,46 @@ def test_container_build_noop_in_one_pct_call_and_a_failed_rebuild_keeps_launch_
         target.close()
 
 
+def test_container_rebuild_refuses_a_torch_the_driver_cannot_run_before_downloading_it(pve, ct_with_uv,
+                                                                                    claim_cuda_venv):
+    ct = ct_with_uv
+    ct.set_driver("550.54.15", "12.4")
+    ct.set_kernel_module("550.54.15")
+    # The venv in use (a CPU one): it must stay current whatever the rebuild does.
+    claim_cuda_venv(ct.workdir, lock="cpu", torch="2.13.0+cpu", cuda=None)
+    before = venvs_state(Path(ct.workdir))
+    target = ContainerTarget(name="ct331", workdir=ct.workdir, transport=pve.pct_transport(ct.ctid),
+                             home=str(Path(ct.dir) / "home"))
+    cuda = {"kind": "uv", "lock": "cuda", "python": "3.11", "uv_cache_dir": SHARED_CACHE}  # PyPI's torch: CUDA 13.0
+    try:
+        events: list[dict] = []
+        pve.clear_pct_calls()
+        # --offline: should the check ever let it through, the sync fails on the cache instead of
+        # downloading gigabytes of CUDA wheels.
+        with pytest.raises(AgentError) as exc:
+            rebuild_venv(target, cuda, on_event=events.append, offline=True)
+        assert exc.value.agent_type == "DriverTooOld" and len(pve.pct_calls()) == 1
+        assert exc.value.message == (
+            "rebuild-venv failed at step `driver`: the venv's torch 2.13.0 is built for CUDA 13.0, but the NVIDIA "
+            "driver 550.54.15 runs CUDA 12.4 at most (CUDA 13.x needs driver >= 580) (the current venv is unchanged)")
+        assert exc.value.fix.startswith("use a torch built for CUDA 12: dflashctl lock cuda --extra-index-url "
+                                        "https://download.pytorch.org/whl/cu126")
+        assert "dflashctl rebuild-venv --target ct331" in exc.value.fix
+        assert not any(e.get("step") == "sync" for e in events)  # refused before the multi-GB download
+        assert venvs_state(Path(ct.workdir)) == before  # current untouched, the new venv removed
+
+        # The host's kernel module moved on without the container's libraries: refused the same way.
+        ct.set_kernel_module("570.133.20")
+        with pytest.raises(AgentError) as exc:
+            rebuild_venv(target, cuda, offline=True)
+        assert exc.value.agent_type == "DriverLibraryMismatch" and "step `driver`" in exc.value.message
+        assert "libnvidia-ml 550.54" in exc.value.message and "kernel module 570.133.20" in exc.value.message
+        assert "sh NVIDIA-Linux-x86_64-570.133.20.run --no-kernel-modules" in exc.value.fix
+        assert venvs_state(Path(ct.workdir)) == before
+    finally:
+        target.close()
+
+
 def test_container_without_uv_explains_how_to_install_it(pve, fake_pve):
     ct = fake_pve.create_container(332, gpus=0)
     target = ContainerTarget(name="ct332", workdir=ct.workdir, transport=pve.pct_transport(ct.ctid),
