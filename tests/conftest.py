@@ -46,11 +46,13 @@ def fake_pve():
 
 @pytest.fixture
 def pve(fake_pve):
-    """fake_pve with the pct delay reset to 0 and the call log cleared, for tests that count calls."""
+    """fake_pve with the pct delay reset to 0 (and no forced pct error after the test) and the call log
+    cleared, for tests that count calls."""
     fake_pve.set_delay(0)
     fake_pve.clear_pct_calls()
     yield fake_pve
     fake_pve.set_delay(0)
+    fake_pve.set_pct_error(None)
 
 
 @pytest.fixture

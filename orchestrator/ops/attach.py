@@ -12,41 +12,11 @@ import shutil
 
 from orchestrator import names
 from orchestrator.errors import UserError
-from orchestrator.transport.quoting import render
 
 
 def tmux_attach_argv(session: str, read_only: bool = False) -> list[str]:
     """`tmux attach-session [-r] -t =SESSION` (`=`: the exact name, never a prefix match)."""
     return ["tmux", "attach-session", *(["-r"] if read_only else []), "-t", "=" + session]
-
-
-def ssh_argv(
-    hostname: str,
-    remote: list[str],
-    *,
-    port: int | None = None,
-    user: str | None = None,
-    identity_file: str | None = None,
-    known_hosts: str | None = None,
-    ssh_config_alias: str | None = None,
-) -> list[str]:
-    """OpenSSH client argv for one interactive command on a host.
-
-    The remote argv is rendered into ONE string here: sshd hands it to the user's login shell, the only
-    parser on the path (pct exec runs its argv without a shell).
-    """
-    argv = ["ssh", "-t"]  # -t: a tty for tmux (ssh would refuse to allocate one for a command otherwise)
-    if port:
-        argv += ["-p", str(port)]
-    if identity_file:
-        argv += ["-i", identity_file, "-o", "IdentitiesOnly=yes"]  # only the configured key, as the SSH transport does
-    if known_hosts:
-        # known_hosts is the truth: never accept an unknown or changed key interactively.
-        argv += ["-o", f"UserKnownHostsFile={known_hosts}", "-o", "StrictHostKeyChecking=yes"]
-    dest = ssh_config_alias or hostname
-    if user:
-        dest = f"{user}@{dest}"
-    return [*argv, "--", dest, render(remote)]
 
 
 def container_attach_argv(
@@ -62,20 +32,22 @@ def container_attach_argv(
     user: str | None = None,
     identity_file: str | None = None,
     known_hosts: str | None = None,
-    ssh_config_alias: str | None = None,
 ) -> list[str]:
-    """`ssh -t HOST 'pct exec CT --keep-env 0 -- env -i HOME=.. PATH=.. TERM=.. tmux attach ...'`.
+    """`ssh -t HOST 'pct exec CT --keep-env 0 -- env -i HOME=.. PATH=.. TERM=.. tmux attach ...'`, built by
+    transport.ssh.openssh_argv (the destination as the user's ssh reaches it; an unknown or changed host key
+    refused, never asked about).
 
     TERM must travel inside the command: `--keep-env 0` drops it, and tmux refuses to attach without one.
     """
     from orchestrator.transport.pct import pct_exec_argv
     from orchestrator.transport.quoting import with_env
+    from orchestrator.transport.ssh import openssh_argv
 
     inner = with_env({**(env or {}), "TERM": os.environ.get("TERM") or "xterm-256color"},
                      tmux_attach_argv(session, read_only))
     remote = pct_exec_argv(ctid, inner, pct=pct, sudo=sudo)
-    return ssh_argv(hostname, remote, port=port, user=user, identity_file=identity_file,
-                    known_hosts=known_hosts, ssh_config_alias=ssh_config_alias)
+    return openssh_argv(hostname, remote, port=port, user=user, identity_file=identity_file,
+                        known_hosts=known_hosts, tty=True, strict=True)
 
 
 def attach_argv(target, session: str, read_only: bool = False) -> list[str]:
@@ -90,18 +62,17 @@ def attach_argv(target, session: str, read_only: bool = False) -> list[str]:
     pct = target.transport
     ssh = pct.parent
     return container_attach_argv(
-        hostname=ssh.hostname,
+        hostname=ssh.ssh_config_alias or ssh.hostname,
         ctid=pct.ctid,
         session=session,
         read_only=read_only,
         env=target.env(),
         pct=pct.pct,
         sudo=pct.sudo,
-        port=getattr(ssh, "port", None) if getattr(ssh, "port", 22) != 22 else None,
-        user=getattr(ssh, "user", None),
-        identity_file=getattr(ssh, "identity_file", None),
-        known_hosts=getattr(ssh, "known_hosts", None),
-        ssh_config_alias=getattr(ssh, "ssh_config_alias", None),
+        port=ssh.port,
+        user=ssh.user,
+        identity_file=ssh.identity_file,
+        known_hosts=ssh.known_hosts,
     )
 
 

@@ -14,6 +14,7 @@ For the local target the same agent ping runs as a subprocess, and the ssh/pct c
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -85,9 +86,10 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
 
 
-def _fix(prefix: list[str], argv: list[str]) -> str:
-    """A fix command line: argv run inside the target (through `prefix`, e.g. pct exec 200 --)."""
-    return render([*prefix, *argv])
+def _fix(prefix: Callable[[list[str]], str] | None, argv: list[str]) -> str:
+    """A fix command line: argv run inside the target, as the user pastes it. `prefix` is the container's
+    command_line (`ssh ... pct exec CT --keep-env 0 -- argv`); None (or empty) for the local target."""
+    return prefix(argv) if prefix else render(argv)
 
 
 def _driver_checks(rep: DoctorReport, ping: dict, venv: dict, target: str) -> None:
@@ -122,7 +124,7 @@ def _driver_checks(rep: DoctorReport, ping: dict, venv: dict, target: str) -> No
         rep.add(CUDA_CHECK, OK, nvdriver.describe_ok(torch.get("torch"), torch.get("cuda"), info))
 
 
-def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix: list[str], min_free_gib: float,
+def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix, min_free_gib: float,
                   venv: dict | None = None, target: str = "") -> None:
     """The in-target checks, all from one ping answer. `prefix` runs a fix inside the target; `venv` is
     the target's venv profile (with its `name`)."""
@@ -170,7 +172,7 @@ def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix: list[str], m
                     _fix(prefix, ["mkdir", "-p", str(d.get("path"))]) + "  (and check its owner and mount)")
 
 
-def _ping(rep: DoctorReport, target, kind: str, prefix: list[str], min_free_gib: float,
+def _ping(rep: DoctorReport, target, kind: str, prefix, min_free_gib: float,
           venv: dict | None = None) -> None:
     """Run the one agent ping and turn its answer into checks (or one failure and skips)."""
     try:
@@ -228,7 +230,7 @@ def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> Docto
 
 def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport:
     from orchestrator.target import container_target, ssh_transport
-    from orchestrator.transport.pct import pct_argv
+    from orchestrator.transport.pct import pct_argv, pct_prefix
 
     host = inv.host(spec.host)
     rep = DoctorReport(name, "container")
@@ -236,7 +238,7 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
     ssh = ssh_transport(host, spec.host)
     target = container_target(name, spec, host, ssh)
     pct = target.transport  # PctTransport over `ssh`: host-side pct calls and the one pct exec share it
-    on_host = f"  (run on {spec.host})"
+    on_host = pct.host_command_line  # a host argv as the user pastes it: ssh with the inventory's settings
     try:
         # 1. ssh + host key + pct: the first host-side call (`pct status`) proves all three.
         try:
@@ -247,13 +249,14 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
             return _skip_rest(rep, "needs ssh")
         except ConnectError as exc:
             rep.add("ssh reachable", FAIL, exc.message,
-                    exc.fix or f"check that `ssh {host.ssh}` works (hosts.{spec.host} in {inv.source})")
+                    exc.fix or f"check that `{on_host(['true'])}` works (hosts.{spec.host} in {inv.source})")
             return _skip_rest(rep, "needs ssh")
         except ContainerMissing as exc:
             _ssh_ok(rep, host)
             rep.add("pct present", OK, f"{render(pct_argv(ctid, 'status', pct=host.pct, sudo=host.sudo))} answered")
             rep.add("container running", FAIL, exc.message,
-                    f"fix targets.{name}.ctid in {inv.source} (`{host.pct} list` on {spec.host} lists the containers)")
+                    f"fix targets.{name}.ctid in {inv.source} "
+                    f"(`{on_host([*pct_prefix(host.pct, host.sudo), 'list'])}` lists the containers)")
             return _skip_rest(rep, "needs the container")
         except PctError as exc:  # PctNotFound, SudoRequired, or pct failing some other way
             _ssh_ok(rep, host)
@@ -268,7 +271,7 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
             rep.add("container running", OK, f"CT {ctid}: {state}")
         else:
             rep.add("container running", FAIL, f"CT {ctid} is {state}",
-                    render(pct_argv(ctid, "start", pct=host.pct, sudo=host.sudo)) + on_host)
+                    on_host(pct_argv(ctid, "start", pct=host.pct, sudo=host.sudo)))
 
         # 3 and 4 at once over the one SSH connection (each pct call pays pct's Perl start-up):
         # the GPU devices in the container config (host side; readable while stopped too) and, when the
@@ -277,9 +280,10 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
             config = pool.submit(_pct_config, pct)
             inside = DoctorReport(name, "container")
             if running:
-                _ping(inside, target, "container", ["pct", "exec", str(ctid), "--"], min_free_gib,
+                _ping(inside, target, "container", pct.command_line, min_free_gib,
                       _venv_profile(inv, spec))
-            _gpu_device_check(rep, config.result(), ctid, on_host)
+            _gpu_device_check(rep, config.result(), ctid,
+                              lambda *a: on_host(pct_argv(ctid, *a, pct=host.pct, sudo=host.sudo)))
         rep.checks.extend(inside.checks)
         rep.ping = inside.ping
         if not running:
@@ -297,20 +301,21 @@ def _pct_config(pct) -> str | PctError:
         return exc
 
 
-def _gpu_device_check(rep: DoctorReport, cfg: str | PctError, ctid: int, on_host: str) -> None:
+def _gpu_device_check(rep: DoctorReport, cfg: str | PctError, ctid: int, pct_line: Callable[..., str]) -> None:
+    """`pct_line(verb, *args)`: `pct VERB CTID args` on the host as the user pastes it."""
     if isinstance(cfg, PctError):
-        rep.add("GPU devices visible", FAIL, cfg.message, f"pct config {ctid}{on_host}")
+        rep.add("GPU devices visible", FAIL, cfg.message, pct_line("config"))
         return
     devs = gpu_devices(cfg)
     if devs:
         rep.add("GPU devices visible", OK, f"{len(devs)} passed through: " + ", ".join(f"/dev/nvidia{i}" for i in devs))
     elif _NVIDIA_ANY.search(cfg):
         rep.add("GPU devices visible", WARN, "nvidia device rules present but no /dev/nvidiaN entries",
-                f"pct set {ctid} -dev0 /dev/nvidia0 ...{on_host}")
+                pct_line("set", "-dev0", "/dev/nvidia0") + " ...")
     else:
         rep.add("GPU devices visible", FAIL, f"CT {ctid}'s config passes no /dev/nvidia* device",
-                f"pct set {ctid} -dev0 /dev/nvidia0 -dev1 /dev/nvidiactl -dev2 /dev/nvidia-uvm "
-                f"-dev3 /dev/nvidia-uvm-tools{on_host}, then restart the container")
+                pct_line("set", "-dev0", "/dev/nvidia0", "-dev1", "/dev/nvidiactl", "-dev2", "/dev/nvidia-uvm",
+                         "-dev3", "/dev/nvidia-uvm-tools") + ", then restart the container")
 
 
 def _ssh_ok(rep: DoctorReport, host) -> None:

@@ -83,6 +83,12 @@ class Transport(Protocol):
         """
         ...
 
+    def command_line(self, argv: Sequence[str]) -> str:
+        """`argv`, run where this transport runs it, as a line the user can paste on the workstation (the
+        form of every printed fix): `pct start 200` locally, `ssh -p 2222 root@pve1.lan pct start 200`
+        over SSH, the pct exec inside that for a container."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -43,6 +43,12 @@ class LocalTransport:
         self.env = env
         self.cwd = cwd
 
+    def command_line(self, argv: Sequence[str]) -> str:
+        """`argv` as a command line the user can paste here (no hop: quoted once)."""
+        from orchestrator.transport.quoting import render
+
+        return render(argv)
+
     def run(
         self,
         argv: Sequence[str],

@@ -11,7 +11,8 @@ from stderr TEXT, never the exit code. A command's own non-zero exit is a normal
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import shlex
+from collections.abc import Callable, Sequence
 
 from orchestrator.errors import ContainerMissing, ContainerStopped, PctError, PctNotFound, SudoRequired, UserError
 from orchestrator.transport.base import Result, StreamCallback, Transport
@@ -54,7 +55,8 @@ def check_ctid(ctid) -> int:
     return value
 
 
-def _prefix(pct: str, sudo: bool) -> list[str]:
+def pct_prefix(pct: str = "pct", sudo: bool = False) -> list[str]:
+    """`[sudo -n] pct`: how pct is run on the host."""
     return ["sudo", "-n", pct] if sudo else [pct]
 
 
@@ -71,27 +73,30 @@ def pct_exec_argv(ctid: int, argv: Sequence[str], pct: str = "pct", sudo: bool =
     argv = list(argv)
     if not argv:
         raise ValueError("pct exec needs a command (argv is empty)")
-    return [*_prefix(pct, sudo), "exec", str(check_ctid(ctid)), "--keep-env", "0", "--", *argv]
+    return [*pct_prefix(pct, sudo), "exec", str(check_ctid(ctid)), "--keep-env", "0", "--", *argv]
 
 
 def pct_argv(ctid: int, verb: str, *args: str, pct: str = "pct", sudo: bool = False) -> list[str]:
-    """`[sudo -n] pct VERB CTID args...` for status/start/stop/config (and push/pull).
+    """`[sudo -n] pct VERB CTID args...` for status/start/stop/config/set (and push/pull).
 
     Raises:
         ValueError: an unsupported verb (exec has its own builder).
     """
-    if verb not in ("status", "start", "stop", "shutdown", "config", "push", "pull"):
+    if verb not in ("status", "start", "stop", "shutdown", "config", "set", "push", "pull"):
         raise ValueError(f"unsupported pct verb {verb!r} (use pct_exec_argv for exec)")
-    return [*_prefix(pct, sudo), verb, str(check_ctid(ctid)), *args]
+    return [*pct_prefix(pct, sudo), verb, str(check_ctid(ctid)), *args]
 
 
-def classify(res: Result, ctid: int, host: str, pct: str = "pct", sudo: bool = False) -> PctError | None:
+def classify(res: Result, ctid: int, host: str, pct: str = "pct", sudo: bool = False,
+             command_line: Callable[[Sequence[str]], str] = shlex.join) -> PctError | None:
     """The typed error for a failed pct call, from its stderr text; None when pct itself did not fail.
 
     Args:
         res: the Result of a pct command run on the host.
         ctid: the container the call was about (the stopped/missing texts must name it).
         host: the host's name, for messages.
+        command_line: a host argv as the user pastes it (the parent transport's command_line: `ssh ...`);
+            every fix printed is built with it.
     """
     if res.exit_code == 0:
         return None
@@ -101,14 +106,14 @@ def classify(res: Result, ctid: int, host: str, pct: str = "pct", sudo: bool = F
         return ContainerStopped(
             f"container {ctid} on {host} is not running",
             result=res,
-            fix=f"start it on the host: ssh {host} {'sudo ' if sudo else ''}{pct} start {ctid}",
+            fix=f"start it: {command_line(pct_argv(ctid, 'start', pct=pct, sudo=sudo))}",
         )
     m = MISSING_RE.search(text)
     if m and int(m.group(2)) == ctid:
         return ContainerMissing(
             f"container {ctid} does not exist on {host} ({m.group(1)} is missing)",
             result=res,
-            fix=f"check the target's ctid in inventory.yaml against `{pct} list` on {host}, "
+            fix=f"check the target's ctid in inventory.yaml against `{command_line([*pct_prefix(pct, sudo), 'list'])}`, "
             f"or the host: a container lives on one node of a cluster",
         )
     if sudo and SUDO_PASSWORD_RE.search(text):
@@ -182,10 +187,19 @@ class PctTransport:
         res = self.parent.run(pct_exec_argv(self.ctid, argv, self.pct, self.sudo), stdin=stdin, timeout=timeout,
                               on_stdout=on_stdout, on_stderr=on_stderr)
         res.where = self.name
-        err = classify(res, self.ctid, self.host, self.pct, self.sudo)
+        err = classify(res, self.ctid, self.host, self.pct, self.sudo, self.host_command_line)
         if err is not None:
             raise err
         return res
+
+    def host_command_line(self, argv: Sequence[str]) -> str:
+        """A host argv as the user pastes it: through the parent (`ssh ...`), or bare on the host itself."""
+        line = getattr(self.parent, "command_line", None)
+        return line(argv) if line is not None else shlex.join(argv)
+
+    def command_line(self, argv: Sequence[str]) -> str:
+        """`argv` inside the container as the user pastes it: `pct exec CT -- argv` on the host."""
+        return self.host_command_line(pct_exec_argv(self.ctid, argv, self.pct, self.sudo))
 
     def pct_command(self, verb: str, *args: str, timeout: float | None = 120) -> Result:
         """Run `pct VERB CTID args...` on the host (status/start/stop/config).
@@ -195,11 +209,15 @@ class PctTransport:
         """
         res = self.parent.run(pct_argv(self.ctid, verb, *args, pct=self.pct, sudo=self.sudo), timeout=timeout)
         res.where = self.parent.name if hasattr(self.parent, "name") else "host"
-        err = classify(res, self.ctid, self.host, self.pct, self.sudo)
+        err = classify(res, self.ctid, self.host, self.pct, self.sudo, self.host_command_line)
         if err is not None:
             raise err
         if res.exit_code != 0:
-            raise PctError(f"`{self.pct} {verb} {self.ctid}` failed on {self.host} (exit {res.exit_code})", result=res)
+            # pct's own words (its exit code is a Perl die's 255 whatever went wrong)
+            said = (res.stderr or res.stderr_tail).decode("utf-8", errors="replace").strip()
+            said = "; ".join(line.strip() for line in said.splitlines()[-3:] if line.strip())
+            raise PctError(f"`{self.pct} {verb} {self.ctid}` failed on {self.host}: {said or 'no message'} "
+                           f"(exit {res.exit_code})", result=res)
         return res
 
     def status(self) -> str:

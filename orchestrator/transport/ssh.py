@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 import socket
 import threading
 import time
@@ -35,6 +36,65 @@ _TAIL = 16384
 NO_EXIT_STATUS = 255
 # After both streams hit EOF the exit status is normally already there; wait at most this long for it.
 EXIT_STATUS_GRACE_S = 30.0
+
+
+def is_ssh_word(value: str) -> bool:
+    """True when `value` can stand as an ssh destination or user: not empty, no leading '-' (ssh would read
+    an option), no whitespace or control character."""
+    return bool(value) and not value.startswith("-") and value.isprintable() and not any(c.isspace() for c in value)
+
+
+def openssh_argv(
+    destination: str,
+    remote: Sequence[str],
+    *,
+    port: int | None = None,
+    user: str | None = None,
+    identity_file: str | None = None,
+    known_hosts: str | None = None,
+    tty: bool = False,
+    strict: bool = False,
+) -> list[str]:
+    """The OpenSSH client argv that runs `remote` on a host as the user's own ssh reaches it: the same
+    destination (an ~/.ssh/config alias or a hostname) and the same explicit settings this project's SSH
+    transport uses; everything else comes from ~/.ssh/config, for both. Fixes printed for a host
+    (`ssh -p 2222 root@pve1.lan pct start 200`, or `ssh pve1 pct start 200` for an alias) and `attach`
+    are built here.
+
+    Args:
+        destination: the inventory's `ssh:` (never the inventory's own name for the host).
+        remote: the argv to run there; rendered into ONE string by quoting.render (sshd hands it to the
+            login shell, the only parser on the path).
+        port: left out when None or 22 (then ~/.ssh/config or 22 decides, as for the transport).
+        tty: `-t`, for an interactive program (tmux attach).
+        strict: `StrictHostKeyChecking=yes`: never accept an unknown or changed key interactively.
+    Raises:
+        ValueError: the destination or user starts with '-' or holds whitespace (ssh would read an option).
+    """
+    for what, value in (("destination", destination), ("user", user)):
+        if value is not None and not is_ssh_word(value):
+            raise ValueError(f"bad ssh {what} {value!r}")
+    argv = ["ssh", *(["-t"] if tty else [])]
+    if port and int(port) != 22:
+        argv += ["-p", str(port)]
+    if identity_file:
+        argv += ["-i", identity_file, "-o", "IdentitiesOnly=yes"]  # only the configured key, as the transport
+    if known_hosts:
+        argv += ["-o", f"UserKnownHostsFile={known_hosts}"]
+    if strict:
+        argv += ["-o", "StrictHostKeyChecking=yes"]
+    return [*argv, f"{user}@{destination}" if user else destination, render(remote)]
+
+
+def paste_line(argv: Sequence[str]) -> str:
+    """An openssh_argv as a line to paste into a shell. ssh joins its trailing arguments with spaces, so a
+    remote command whose words need no quoting is printed bare (`ssh pve1 pct start 200`); any other is
+    printed as the one quoted argument it is."""
+    *local, remote = argv
+    words = remote.split(" ")
+    if all(w and shlex.quote(w) == w for w in words):
+        return f"{shlex.join(local)} {remote}"
+    return shlex.join(argv)
 
 
 class SSHTransport:
@@ -83,6 +143,15 @@ class SSHTransport:
         self.connects = 0  # connections opened
         self._conn = None
         self._lock = threading.Lock()
+
+    def openssh_argv(self, remote: Sequence[str], *, tty: bool = False, strict: bool = False) -> list[str]:
+        """The OpenSSH argv that runs `remote` on this host as this transport reaches it (openssh_argv)."""
+        return openssh_argv(self.ssh_config_alias or self.hostname, remote, port=self.port, user=self.user,
+                            identity_file=self.identity_file, known_hosts=self.known_hosts, tty=tty, strict=strict)
+
+    def command_line(self, argv: Sequence[str]) -> str:
+        """`argv` on this host as a command line the user can paste on the workstation (`ssh ... argv`)."""
+        return paste_line(self.openssh_argv(argv))
 
     # ------------------------------------------------------------------------------------ connection
 

@@ -413,6 +413,18 @@ class FakePVE:
         tmp.write_text(f"{float(seconds)}\n")
         os.replace(tmp, self.base / "pct-delay")
 
+    def set_pct_error(self, text: str | None) -> None:
+        """Make every later pct call die with `text` on stderr (exit 255), as real pct does when the host
+        itself is wrong, e.g. run by a non-root user without sudo: `ipcc_send_rec[1] failed: Unknown error
+        -1` ... `Unable to load access control list: Unknown error -1`. None: pct works again."""
+        path = self.base / "pct-error"
+        if text is None:
+            path.unlink(missing_ok=True)
+            return
+        tmp = self.base / "pct-error.tmp"
+        tmp.write_text(text if text.endswith("\n") else text + "\n")
+        os.replace(tmp, path)
+
     def host_entry(self) -> dict:
         """An inventory `hosts:` entry for this host."""
         return {

@@ -10,6 +10,7 @@ A container is a directory `<base>/ct/<id>/` whose init process holds its own mo
 
 Knobs (files, so the fixture can change them between calls):
   <base>/pct-delay        seconds to sleep before every call (models Perl start-up)
+  <base>/pct-error        when present, every call prints its text on stderr and exits 255
   <base>/pct-calls.jsonl  every call appended as {"argv": [...], "time": epoch}
 """
 
@@ -383,6 +384,14 @@ def delay(base: Path) -> None:
         time.sleep(seconds)
 
 
+def forced_error(base: Path) -> str | None:
+    """The text in `<base>/pct-error`, if any: every call prints it and dies."""
+    try:
+        return (base / "pct-error").read_text() or None
+    except OSError:
+        return None
+
+
 def main(argv: list[str] | None = None, base: Path | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     base = base or default_base()
@@ -390,6 +399,10 @@ def main(argv: list[str] | None = None, base: Path | None = None) -> int:
     # Real pct resets PATH before running anything (PVE::CLIHandler::run_cli_handler).
     os.environ["PATH"] = PCT_PATH
     delay(base)
+    failure = forced_error(base)
+    if failure:  # a host-side failure that no verb can escape (see FakePVE.set_pct_error)
+        sys.stderr.write(failure)
+        return PERL_DIE
     if not argv or argv[0] not in VERBS:
         sys.stderr.write("ERROR: unknown command 'pct %s'\nUSAGE: pct <COMMAND> [ARGS] [OPTIONS]\n"
                          % (argv[0] if argv else ""))

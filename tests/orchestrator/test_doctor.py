@@ -120,7 +120,7 @@ def test_doctor_on_a_stopped_container_says_pct_start(pve, tmp_path):
     assert checks["ssh reachable"].status == OK and checks["pct present"].status == OK
     running = checks["container running"]
     assert running.status == FAIL and "stopped" in running.detail
-    assert running.fix.startswith("pct start 311") and "pve" in running.fix
+    assert running.fix.startswith("ssh ") and running.fix.endswith(f"root@{pve.hostname} pct start 311")
     assert checks["GPU devices visible"].status == OK  # pct config works on a stopped container
     assert all(checks[n].status == SKIP for n in AGENT_CHECKS)
     assert pve.pct_exec_calls(311) == []

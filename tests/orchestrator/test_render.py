@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -31,7 +30,7 @@ def test_table_title_headers_and_cells_are_literal(capsys):
     header = next(ln for ln in out.splitlines() if RANK in ln)
     assert FILENAMES in header
     row = next(ln for ln in out.splitlines() if "CHANGED" in ln)
-    assert LINE in row and f"ok" in row and row.count(BOLD) == 2
+    assert LINE in row and "ok" in row and row.count(BOLD) == 2
 
 
 def test_event_printer_prints_every_event_kind_literally(capsys):

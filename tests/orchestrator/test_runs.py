@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator import records
 from orchestrator.errors import RunNotFound
-from orchestrator.ops.attach import container_attach_argv, ssh_argv, tmux_attach_argv
+from orchestrator.ops.attach import container_attach_argv, tmux_attach_argv
 from orchestrator.ops.runs import diff, list_runs
 
 
@@ -98,15 +98,17 @@ def test_attach_argv_local_and_container_golden():
                                  env={"HOME": "/root", "PATH": "/usr/bin:/bin"}, port=2222, user="root",
                                  identity_file="/k/id", known_hosts="/k/kh")
     assert argv[:-1] == ["ssh", "-t", "-p", "2222", "-i", "/k/id", "-o", "IdentitiesOnly=yes",
-                         "-o", "UserKnownHostsFile=/k/kh", "-o", "StrictHostKeyChecking=yes", "--", "root@pve1.lan"]
+                         "-o", "UserKnownHostsFile=/k/kh", "-o", "StrictHostKeyChecking=yes", "root@pve1.lan"]
     term = argv[-1].split("TERM=", 1)[1].split()[0]
     assert argv[-1] == (f"pct exec 200 --keep-env 0 -- env -i HOME=/root PATH=/usr/bin:/bin TERM={term} "
                         "tmux attach-session -r -t =dflash-exp")
 
 
 def test_ssh_argv_quotes_the_remote_command_once():
-    argv = ssh_argv("h", ["pct", "exec", "200", "--", "echo", "a b", "$(id)"], ssh_config_alias="pve1")
-    assert argv == ["ssh", "-t", "--", "pve1", "pct exec 200 -- echo 'a b' '$(id)'"]
+    from orchestrator.transport.ssh import openssh_argv
+
+    argv = openssh_argv("pve1", ["pct", "exec", "200", "--", "echo", "a b", "$(id)"], tty=True)
+    assert argv == ["ssh", "-t", "pve1", "pct exec 200 -- echo 'a b' '$(id)'"]
     assert subprocess.run(["sh", "-c", "printf '%s\\n' " + argv[-1].split(" -- ", 1)[1]],
                           capture_output=True, text=True).stdout == "echo\na b\n$(id)\n"
 
@@ -117,7 +119,7 @@ def test_attach_builds_the_argv_from_a_container_target(fake_pve):
 
     t = ContainerTarget(name="ct", workdir="/w", transport=fake_pve.pct_transport(200))
     argv = attach_argv(t, "dflash-e")
-    assert argv[argv.index("--") + 1] == f"{fake_pve.user}@{fake_pve.hostname}"
+    assert argv[-2] == f"{fake_pve.user}@{fake_pve.hostname}" and "StrictHostKeyChecking=yes" in argv
     assert f"UserKnownHostsFile={fake_pve.known_hosts}" in argv and argv[-1].startswith("pct exec 200 --keep-env 0 -- env -i HOME=/root")
 
 
