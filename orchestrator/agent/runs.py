@@ -1,7 +1,9 @@
 """Run directories inside the target, and the launch lock. Standard library only.
 
     <workdir>/runs/<run-id>/  run.json  config.json  train.log  log.mark  metrics.jsonl  exit.json  pid
-    <workdir>/launch.lock     held (flock) by the one launch in progress; its text names the holder
+    <workdir>/locks/<experiment>.lock   held (flock) by the launch of that experiment in progress; its text
+                                        names the holder
+    <workdir>/locks/gpus.json           the GPU claims (orchestrator.agent.claims)
 
 States: running (no exit.json, and its session lives with a live pane or its command's process group from
 `pid` still exists), succeeded (exit 0), failed (exit != 0), crashed (no exit.json, its session gone or its
@@ -24,7 +26,6 @@ from pathlib import Path
 from orchestrator import names
 from orchestrator.agent.protocol import AgentFailure
 
-LOCK_NAME = "launch.lock"
 # How much of metrics.jsonl's end is read for the last tokens/s (lines are short; this is dozens of them).
 _METRICS_TAIL = 64 * 1024
 
@@ -273,12 +274,12 @@ def pid_alive(pid: int, since: float | None = None) -> bool:
         pass
     if since is None:
         return True
-    started = _process_start(pid)
+    started = process_start(pid)
     # Start times from /proc are whole seconds of boot time plus clock ticks: allow 2 s of rounding.
     return started is None or started <= since + 2.0
 
 
-def _process_start(pid: int) -> float | None:
+def process_start(pid: int) -> float | None:
     """Epoch start time of a process from /proc (Linux), or None when it cannot be read."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -420,18 +421,22 @@ def list_runs(workdir: str | Path, sessions: list[dict]) -> list[dict]:
 
 
 class LaunchLock:
-    """The one-launch-at-a-time lock of a workdir: flock on `<workdir>/launch.lock` (released by the kernel
-    if the agent dies, so it never goes stale) plus the holder's pid, run id and start time in the file."""
+    """One launch of an experiment at a time: flock on `<workdir>/locks/<experiment>.lock` (released by the
+    kernel if the agent dies, so it never goes stale) plus the holder's pid, run id and start time in the
+    file. Launches of different experiments take different locks and run side by side; the GPUs they may
+    share are claimed one by one (orchestrator.agent.claims)."""
 
-    def __init__(self, workdir: str | Path):
-        self.path = Path(workdir) / LOCK_NAME
+    def __init__(self, workdir: str | Path, experiment: str):
+        self.experiment = check_name("experiment", experiment)
+        self.path = Path(workdir) / "locks" / f"{experiment}.lock"
         self.fd: int | None = None
 
     def acquire(self, holder: dict) -> None:
         """Take the lock without waiting.
 
         Raises:
-            AgentFailure("LockHeld"): another launch holds it; message and data name pid, run id, since.
+            AgentFailure("LockHeld"): another launch of this experiment holds it; message and data name pid,
+                run id, since.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -447,7 +452,7 @@ class LaunchLock:
             )
             raise AgentFailure(
                 "LockHeld",
-                f"another launch holds {self.path}: {who}",
+                f"another launch of experiment {self.experiment} holds {self.path}: {who}",
                 fix="wait for it to finish, then check `dflashctl status`",
                 data={"holder": other or {}, "lock": str(self.path)},
             ) from None

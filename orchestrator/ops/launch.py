@@ -17,10 +17,13 @@ from orchestrator.errors import AgentError, PreflightError, UserError
 from orchestrator.inventory import check_name, check_run_ref
 
 # Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
-REFUSALS = {"GpuBusy", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch", "NothingToResume",
-            *DRIVER_PROBLEMS}
+REFUSALS = {"GpuBusy", "GpuClaimed", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch",
+            "NothingToResume", *DRIVER_PROBLEMS}
 DEFAULT_GRACE_S = 20.0
 DEFAULT_RELEASE_TIMEOUT_S = 120.0
+# How long a launch waits for another launch's preflight that holds one of its GPUs (that launch may fail and
+# release it) before it is refused naming the GPU and the run.
+DEFAULT_CLAIM_WAIT_S = 5.0
 
 
 @dataclass
@@ -179,6 +182,7 @@ def launch(
     timeout: float | None = 3600,
     resume: str | None = None,
     warmup_device: str = "cuda",
+    claim_wait_s: float = DEFAULT_CLAIM_WAIT_S,
 ) -> LaunchResult:
     """Launch `spec` on `target` in ONE agent call; append a workstation run record.
 
@@ -194,12 +198,13 @@ def launch(
         resume: a run id of this experiment on this target: the new run continues it from its newest
             complete checkpoint, with the old run's config (kind command: DFLASHCTL_RESUME_DIR is set).
         warmup_device: `--device` of the GPU warm-ups ("cpu" only for tests on a GPU-less machine).
+        claim_wait_s: seconds to wait for another launch's preflight that holds one of the GPUs.
     Returns:
         LaunchResult.
     Raises:
         UserError: unsafe names or run id (before anything reaches the target).
-        PreflightError: refused (GpuBusy / SessionExists / VenvMismatch / LockHeld / ResumeNotFound /
-            ResumeMismatch / NothingToResume), naming what exactly.
+        PreflightError: refused (GpuBusy / GpuClaimed / SessionExists / VenvMismatch / LockHeld /
+            ResumeNotFound / ResumeMismatch / NothingToResume), naming what exactly.
         AgentError, ConnectError, PctError: the target could not do it.
     """
     spec.validate()
@@ -231,6 +236,7 @@ def launch(
         "dry_run": dry_run,
         "resume": resume,
         "warmup_device": warmup_device,
+        "claim_wait_s": claim_wait_s,
     }
     data = agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
                            on_event=on_event, timeout=timeout)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from orchestrator.errors import UserError
 
-REFUSALS = {"GpuBusy", "LockHeld"}
+REFUSALS = {"GpuBusy", "GpuClaimed", "LockHeld"}
 
 
 @dataclass
@@ -51,7 +51,7 @@ def warmup(
         WarmupResult.
     Raises:
         UserError: not a kind dflash experiment, or unsafe names.
-        PreflightError: a drafter GPU is busy, or a launch holds the target's lock.
+        PreflightError: a drafter GPU is busy or claimed, or a launch of the experiment holds its lock.
         AgentError: a warm-up failed (type WarmupFailed; the message has the log's last lines).
     """
     spec.validate()

@@ -14,12 +14,18 @@ Driver/library version mismatch" plus "NVML library version: <major.minor>", exi
 Supported: `--query-gpu=F,F,... --format=csv[,noheader][,nounits]` (fields below), `-i/--id=LIST`, `-L`,
 and no arguments (the table, with the real header's "Driver Version: X  CUDA Version: Y"). Anything else
 fails like the real tool does.
+
+A slow call: the real tool can take seconds (a wedged GPU, persistence mode off). A test holds exactly ONE
+call with `hold(dir)`: the first call to find `.hold` beside this file takes it (renamed to `.held`, so no
+other call waits) and answers only once `release(dir)` removes `.held`; `wait_held(dir)` returns when a
+call is waiting. This is how a test keeps a launch inside its preflight while another launch contends.
 """
 
 import json
 import os
 import re
 import sys
+import time
 
 FIELDS = {
     # field: (json key or callable, unit)
@@ -85,7 +91,44 @@ def table(state: dict, gpus: list[dict]) -> str:
     return rule + head + rule + "".join(rows) + ("" if gpus else "No running processes found\n")
 
 
+HOLD, HELD = ".hold", ".held"
+
+
+def _hold_point() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        os.rename(os.path.join(here, HOLD), os.path.join(here, HELD))  # atomic: one call takes the hold
+    except OSError:
+        return
+    while os.path.exists(os.path.join(here, HELD)):
+        time.sleep(0.02)
+
+
+def hold(directory) -> None:
+    """(test side) Hold the next call of the stand-in installed in `directory`."""
+    open(os.path.join(directory, HOLD), "w").close()
+
+
+def wait_held(directory, timeout: float = 60.0) -> None:
+    """(test side) Return once a call is held; AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(directory, HELD)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no nvidia-smi call was held in {directory} within {timeout} s")
+        time.sleep(0.02)
+
+
+def release(directory) -> None:
+    """(test side) Let the held call answer; a hold nobody took is withdrawn."""
+    for name in (HELD, HOLD):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+
+
 def main(args: list[str]) -> int:
+    _hold_point()
     state = load()
     if state.get("error"):
         return fail(state["error"].rstrip("\n") + "\n\n", 9)

@@ -158,16 +158,18 @@ def test_double_launch_is_refused_with_the_run_id_and_the_replace_hint(tmp_path,
 
 def test_a_held_lock_names_its_holder(tmp_path, local_target):
     t = local_target
-    lock = agent_runs.LaunchLock(t.workdir)
-    lock.acquire({"pid": 4242, "run_id": "other-20260101T000000Z", "since": "2026-01-01T00:00:00Z"})
+    lock = agent_runs.LaunchLock(t.workdir, "lk")
+    lock.acquire({"pid": 4242, "run_id": "lk-20260101T000000Z", "since": "2026-01-01T00:00:00Z"})
     try:
         with pytest.raises(PreflightError) as info:
             launch(t, cmd_spec("lk", ["true"]))
+        other = launch(t, cmd_spec("other", ["true"]))  # another experiment's launch takes its own lock
     finally:
         lock.release()
-    assert "pid 4242" in info.value.message and "other-20260101T000000Z" in info.value.message
+    assert info.value.agent_type == "LockHeld" and "experiment lk" in info.value.message
+    assert "pid 4242" in info.value.message and "lk-20260101T000000Z" in info.value.message
     assert "since 2026-01-01T00:00:00Z" in info.value.message
-    assert not (Path(t.workdir) / "runs").exists()
+    assert [p.name for p in (Path(t.workdir) / "runs").iterdir()] == [other.run_id]
 
 
 def test_two_concurrent_launches_make_exactly_one_run(tmp_path, local_target):
@@ -212,7 +214,7 @@ def test_dry_run_plans_and_changes_nothing(tmp_path, local_target):
     res = launch(t, cmd_spec("dry", ["python", "x.py"], gpus=[]), dry_run=True)
     assert res.dry_run and res.plan["tmux"][:5] == ["tmux", "new-session", "-d", "-s", "dflash-dry"]
     assert res.command == ["python", "x.py"] and res.run_dir.endswith(res.run_id)
-    assert not (Path(t.workdir) / "runs").exists() and not (Path(t.workdir) / "launch.lock").exists()
+    assert not (Path(t.workdir) / "runs").exists() and not (Path(t.workdir) / "locks").exists()
     assert status(t).sessions == [] and load_records() == []
 
 

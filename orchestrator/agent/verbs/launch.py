@@ -6,15 +6,18 @@ Request (built by orchestrator/ops/launch.py; names were checked on the workstat
    config: {...} (kind dflash: the resolved TrainConfig, layout section included), layout: {...},
    resume: run id | null (continue that run of this experiment in a new run),
    venv_profile: {...}, lock_hash: str|null, bundle_hash: str|null, cli: str, created: iso,
-   replace: bool, grace_s: float, release_timeout_s: float, dry_run: bool, warmup_device: "cuda"|"cpu"}
-Events: progress steps lock, session, stop, resume, gpus, venv, rundir, layout, warmup, tmux (each with a
-message).
+   replace: bool, grace_s: float, release_timeout_s: float, dry_run: bool, warmup_device: "cuda"|"cpu",
+   claim_wait_s: float (how long to wait for another launch's preflight holding a GPU; default 5)}
+Events: progress steps lock, session, stop, resume, claim, gpus, venv, rundir, layout, warmup, tmux (each with
+a message).
 Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, resumed_from, dry_run,
          config (kind dflash: as written to config.json), env_fingerprint, bundle_hash, plan: {...} (dry run)}
-Refusals (AgentFailure types): LockHeld, SessionExists, DriverTooOld and DriverLibraryMismatch (a run on
-GPUs whose NVIDIA driver cannot run the venv's torch: orchestrator.agent.driver), GpuBusy, VenvMismatch,
-ResumeNotFound, ResumeMismatch, NothingToResume, BadRequest, BadName, BadRunId. A failed warm-up is
-WarmupFailed and a failed seeding of a resumed run ResumeFailed: either way the run's exit.json is written and no session is started.
+Refusals (AgentFailure types): LockHeld (a launch of this experiment is in its preflight), SessionExists,
+GpuClaimed (a launch in its preflight or a running run holds one of the GPUs: waited for up to claim_wait_s
+while it is a launch), DriverTooOld and DriverLibraryMismatch (a run on GPUs whose NVIDIA driver cannot run
+the venv's torch: orchestrator.agent.driver), GpuBusy, VenvMismatch, ResumeNotFound, ResumeMismatch,
+NothingToResume, BadRequest, BadName, BadRunId. A failed warm-up is WarmupFailed and a failed seeding of a
+resumed run ResumeFailed: either way the run's exit.json is written and no session is started.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 from pathlib import Path
 
 from orchestrator import ownlines
-from orchestrator.agent import runs, tmuxctl
+from orchestrator.agent import claims, runs, tmuxctl
 from orchestrator.agent import resume
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.protocol import AgentFailure
@@ -299,119 +302,148 @@ def run(request: dict, emit) -> dict:
     session = tmuxctl.session_name(runs.check_name("experiment", experiment))
     threshold = int(request.get("gpu_idle_mib", 1024))
     replace = bool(request.get("replace"))
-    dry_run = bool(request.get("dry_run"))
-    dflash = request.get("kind") == "dflash"
 
-    if dry_run:
+    if request.get("dry_run"):
         return _plan(request, workdir, run_id, session, threshold, replace, emit)
 
-    lock = runs.LaunchLock(workdir)
+    # Held across the whole preflight, until the session runs: one launch of this experiment at a time.
+    lock = runs.LaunchLock(workdir, experiment)
     lock.acquire({"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id, "experiment": experiment,
                   "since": runs.utc_now()})
     emit.progress("lock", f"holding {lock.path}")
+    token = None
     try:
-        replaced = None
-        old = _preflight_session(session, experiment, replace)
-        if old is not None and old.get("dead_only"):
-            tmuxctl.kill_session(session)
-            emit.progress("session", f"cleared the finished session {session} (run {old.get('run_id')})")
-        elif old is not None:
-            replaced = old.get("run_id")
-            emit.progress("stop", f"replacing run {replaced} in session {session}")
-            if replaced:
-                stopverb.stop_run(workdir, replaced, float(request.get("grace_s", stopverb.DEFAULT_GRACE_S)), emit)
-            else:  # a session we did not start (no run id): end it the blunt way
-                tmuxctl.kill_session(session)
-            if request.get("gpus"):
-                stopverb.wait_gpus_idle([int(g) for g in request["gpus"]], threshold,
-                                        float(request.get("release_timeout_s", 120)), emit)
-        else:
-            emit.progress("session", f"no live session {session}")
-
+        replaced = _clear_session(request, workdir, session, experiment, replace, threshold, emit)
         # After a --replace stop, so `--replace --resume <the live run>` continues from its final checkpoint.
         src = _resume_source(workdir, request, emit)
         gpus = _run_gpus(request, src, emit)
+        if gpus:
+            token = claims.claim(workdir, gpus, {"run_id": run_id, "experiment": experiment}, emit,
+                                 float(request.get("claim_wait_s", claims.DEFAULT_WAIT_S)))
+            emit.progress("claim", f"claimed GPUs {gpus} for run {run_id}")
         _preflight_driver(workdir, request, gpus, emit)
         seen = _preflight_gpus(gpus, threshold)
         if gpus:
             emit.progress("gpus", f"GPUs {gpus} idle (under {threshold} MiB)")
         fingerprint = _fingerprint(workdir, request, emit)
-
-        run_id, run_dir = runs.create_run_dir(workdir, run_id)
-        request = {**request, "gpus": gpus}
-        config = None
-        if dflash:
-            config = _run_config(request, workdir, run_dir, src)
-            if src is not None:
-                started = runs.utc_now()
-                try:
-                    seeded = resume.seed(src, run_dir)
-                except OSError as exc:  # disk full, permissions: the new run ends here, and says so
-                    runs.write_json(run_dir / "exit.json", {"exit_code": 1, "signal": None, "started": started,
-                                                            "ended": runs.utc_now(), "phase": "resume"})
-                    raise AgentFailure("ResumeFailed", f"could not seed {run_dir} from run {src.run_id}: {exc}",
-                                       fix=f"free space or fix permissions under {run_dir.parent}, then launch again",
-                                       data={"run_id": run_id, "resumed_from": src.run_id}) from None
-                emit.progress("resume", f"seeded {run_dir.name} from {src.run_id}: {', '.join(seeded)}")
-            runs.write_json(run_dir / "config.json", config)
-        resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
-        argv, extra = build_command(request, run_dir, config, resume_dir)
-        env = run_environment(dict(os.environ), extra, request)
-        script = run_dir / SCRIPT_NAME
-        runs.write_bytes(script, _script_bytes(), 0o755)
-        # The environment travels in a file only the owner reads: values never reach a command line.
-        runs.write_bytes(run_dir / ENV_FILE, _env_blob(env), 0o600)
-        tmux_command = render(["bash", str(script), str(run_dir), "--", *argv])
-        mark = ownlines.new_mark()
-        info = {
-            "experiment": experiment,
-            "run_id": run_id,
-            "tag": request.get("tag"),
-            "target": request.get("target"),
-            "kind": request.get("kind"),
-            "session": session,
-            "created": request.get("created") or runs.utc_now(),
-            "bundle_hash": request.get("bundle_hash") or os.environ.get("DFLASHCTL_BUNDLE_HASH"),
-            "env_fingerprint": fingerprint,
-            "command": argv,
-            "command_line": render(argv),
-            "cli": request.get("cli"),
-            "gpus": gpus,
-            "gpus_seen": seen,
-            "layout": (config or {}).get("layout") if dflash else request.get("layout"),
-            "env_keys": sorted(extra),
-            "replaced": replaced,
-            "resumed_from": None if src is None else src.run_id,
-            "resumed_step": None if src is None else src.step,
-            ownlines.RUN_JSON_KEY: mark,
-        }
-        runs.write_json(run_dir / "run.json", info)
-        _start_log(run_dir, mark, argv)
-        emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
-
-        if dflash:
-            emit.progress("layout", _describe_layout(gpus, (config or {}).get("layout") or {}))
-            warm_up({**request, "layout": (config or {}).get("layout") or {}}, run_dir, env, emit,
-                    device=str(request.get("warmup_device") or "cuda"))
-
-        s = tmuxctl.new_session(session, tmux_command, str(run_dir), run_id)
-        emit.progress("tmux", f"session {session} started (pane pid {s['pane_pid']})", session=session)
-        return {
-            "run_id": run_id,
-            "run_dir": str(run_dir),
-            "session": session,
-            "command": argv,
-            "gpus": gpus,
-            "replaced": replaced,
-            "resumed_from": info["resumed_from"],
-            "config": config,
-            "dry_run": False,
-            "env_fingerprint": fingerprint,
-            "bundle_hash": info["bundle_hash"],
-            "gpus_seen": seen,
-        }
+        result = _start_run({**request, "gpus": gpus}, workdir, run_id, session, src, replaced, fingerprint, seen,
+                            emit)
+        if token is not None:
+            claims.promote(workdir, token, result["run_id"])  # the run holds its GPUs now, until it ends
+            token = None
+        return result
     finally:
+        if token is not None:
+            claims.release(workdir, token)  # the launch failed: its GPUs are free again
         lock.release()
+
+
+def _clear_session(request: dict, workdir: str, session: str, experiment: str, replace: bool, threshold: int,
+                   emit) -> str | None:
+    """Clear a finished session of this experiment, or with --replace stop its live run and wait for that
+    run's GPUs (refused with SessionExists otherwise). Returns the replaced run id, or None."""
+    old = _preflight_session(session, experiment, replace)
+    if old is None:
+        emit.progress("session", f"no live session {session}")
+        return None
+    if old.get("dead_only"):
+        tmuxctl.kill_session(session)
+        emit.progress("session", f"cleared the finished session {session} (run {old.get('run_id')})")
+        return None
+    replaced = old.get("run_id")
+    emit.progress("stop", f"replacing run {replaced} in session {session}")
+    if replaced:
+        stopverb.stop_run(workdir, replaced, float(request.get("grace_s", stopverb.DEFAULT_GRACE_S)), emit)
+    else:  # a session we did not start (no run id): end it the blunt way
+        tmuxctl.kill_session(session)
+    if request.get("gpus"):
+        stopverb.wait_gpus_idle([int(g) for g in request["gpus"]], threshold,
+                                float(request.get("release_timeout_s", 120)), emit)
+    return replaced
+
+
+def _seed_resumed(src: resume.ResumeSource, run_id: str, run_dir: Path, emit) -> None:
+    """Fill a resumed dflash run's directory from the old run; a failure ends the new run (exit.json)."""
+    started = runs.utc_now()
+    try:
+        seeded = resume.seed(src, run_dir)
+    except OSError as exc:  # disk full, permissions: the new run ends here, and says so
+        runs.write_json(run_dir / "exit.json", {"exit_code": 1, "signal": None, "started": started,
+                                                "ended": runs.utc_now(), "phase": "resume"})
+        raise AgentFailure("ResumeFailed", f"could not seed {run_dir} from run {src.run_id}: {exc}",
+                           fix=f"free space or fix permissions under {run_dir.parent}, then launch again",
+                           data={"run_id": run_id, "resumed_from": src.run_id}) from None
+    emit.progress("resume", f"seeded {run_dir.name} from {src.run_id}: {', '.join(seeded)}")
+
+
+def _start_run(request: dict, workdir: str, run_id: str, session: str, src: resume.ResumeSource | None,
+               replaced: str | None, fingerprint: dict, seen: list[dict], emit) -> dict:
+    """After the preflight: the run directory, its files, the warm-up, then the tmux session."""
+    dflash = request.get("kind") == "dflash"
+    gpus = request["gpus"]
+    run_id, run_dir = runs.create_run_dir(workdir, run_id)
+    config = None
+    if dflash:
+        config = _run_config(request, workdir, run_dir, src)
+        if src is not None:
+            _seed_resumed(src, run_id, run_dir, emit)
+        runs.write_json(run_dir / "config.json", config)
+    resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
+    argv, extra = build_command(request, run_dir, config, resume_dir)
+    env = run_environment(dict(os.environ), extra, request)
+    script = run_dir / SCRIPT_NAME
+    runs.write_bytes(script, _script_bytes(), 0o755)
+    # The environment travels in a file only the owner reads: values never reach a command line.
+    runs.write_bytes(run_dir / ENV_FILE, _env_blob(env), 0o600)
+    tmux_command = render(["bash", str(script), str(run_dir), "--", *argv])
+    mark = ownlines.new_mark()
+    info = {
+        "experiment": request["experiment"],
+        "run_id": run_id,
+        "tag": request.get("tag"),
+        "target": request.get("target"),
+        "kind": request.get("kind"),
+        "session": session,
+        "created": request.get("created") or runs.utc_now(),
+        "bundle_hash": request.get("bundle_hash") or os.environ.get("DFLASHCTL_BUNDLE_HASH"),
+        "env_fingerprint": fingerprint,
+        "command": argv,
+        "command_line": render(argv),
+        "cli": request.get("cli"),
+        "gpus": gpus,
+        "gpus_seen": seen,
+        "layout": (config or {}).get("layout") if dflash else request.get("layout"),
+        "env_keys": sorted(extra),
+        "replaced": replaced,
+        "resumed_from": None if src is None else src.run_id,
+        "resumed_step": None if src is None else src.step,
+        ownlines.RUN_JSON_KEY: mark,
+    }
+    runs.write_json(run_dir / "run.json", info)
+    _start_log(run_dir, mark, argv)
+    emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
+
+    if dflash:
+        emit.progress("layout", _describe_layout(gpus, (config or {}).get("layout") or {}))
+        warm_up({**request, "layout": (config or {}).get("layout") or {}}, run_dir, env, emit,
+                device=str(request.get("warmup_device") or "cuda"))
+
+    s = tmuxctl.new_session(session, tmux_command, str(run_dir), run_id)
+    emit.progress("tmux", f"session {session} started (pane pid {s['pane_pid']})", session=session)
+    return {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "session": session,
+        "command": argv,
+        "gpus": gpus,
+        "replaced": replaced,
+        "resumed_from": info["resumed_from"],
+        "config": config,
+        "dry_run": False,
+        "env_fingerprint": fingerprint,
+        "bundle_hash": info["bundle_hash"],
+        "gpus_seen": seen,
+    }
 
 
 def _start_log(run_dir: Path, mark: str, argv: list[str]) -> None:
@@ -451,6 +483,9 @@ def _plan(request, workdir, run_id, session, threshold, replace, emit) -> dict:
     gpus = _run_gpus(request, src, emit)
     _preflight_driver(workdir, request, gpus, emit)
     if would_stop is None:
+        taken = claims.held(workdir, gpus)
+        if taken:
+            raise claims.refusal(taken)  # as the real launch would after its wait, without waiting
         _preflight_gpus(gpus, threshold)
     fingerprint = _fingerprint(workdir, request, emit)
     run_dir = runs.runs_root(workdir) / run_id

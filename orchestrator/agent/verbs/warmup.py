@@ -7,7 +7,8 @@ Events: progress steps lock, gpus, warmup (one per shape and one per device, wit
 cache_hits, cache_misses, wall_s).
 Result: {experiment, dir, config, cache_dir, warmups: [{gpu, device, compile_s, cache_hits, cache_misses,
          wall_s, ...}]}
-Refusals: LockHeld (a launch or warm-up is in progress), GpuBusy (a drafter GPU is in use); a failed warm-up
+Refusals: LockHeld (a launch or warm-up of this experiment is in progress), GpuClaimed (a launch, run or
+warm-up holds a drafter GPU), GpuBusy (a drafter GPU is in use); a failed warm-up
 is WarmupFailed. The files live in `<workdir>/warmup/<experiment>/`: config.json, warmup.log, warmup.json.
 """
 
@@ -18,7 +19,7 @@ import os
 import socket
 from pathlib import Path
 
-from orchestrator.agent import runs
+from orchestrator.agent import claims, runs
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.verbs.launch import _need, _preflight_gpus
@@ -37,13 +38,17 @@ def run(request: dict, emit) -> dict:
         raise AgentFailure("BundleBroken", "this bundle's trainer has no warm-up module (trainer.warmup)",
                            fix="dflashctl rebuild-venv (refreshes the bundle)")
 
-    # The launch lock: a warm-up must not compile on GPUs a launch is about to hand to a run (or race
-    # another warm-up writing the same cache entries).
-    lock = runs.LaunchLock(workdir)
+    # The experiment's launch lock (no other warm-up or launch of it writes the same cache entries) and a
+    # claim of its drafter GPUs (no launch hands them to a run while this compiles on them).
+    lock = runs.LaunchLock(workdir, experiment)
     lock.acquire({"pid": os.getpid(), "host": socket.gethostname(), "run_id": f"warmup of {experiment}",
                   "experiment": experiment, "since": runs.utc_now()})
     emit.progress("lock", f"holding {lock.path}")
+    token = None
     try:
+        if drafters:
+            token = claims.claim(workdir, drafters, {"run_id": None, "experiment": experiment}, emit,
+                                 float(request.get("claim_wait_s", claims.DEFAULT_WAIT_S)))
         threshold = int(request.get("gpu_idle_mib", 1024))
         if drafters:
             _preflight_gpus(drafters, threshold)
@@ -62,4 +67,6 @@ def run(request: dict, emit) -> dict:
         return {"experiment": experiment, "dir": str(out), "config": str(out / "config.json"),
                 "cache_dir": cache, "warmups": done}
     finally:
+        if token is not None:
+            claims.release(workdir, token)
         lock.release()
