@@ -391,10 +391,12 @@ def current_fingerprint(workdir: str, profile) -> dict:
     return fp
 
 
-def fingerprint_diff(actual: dict, expected_lock_hash: str | None) -> list[str]:
+def fingerprint_diff(actual: dict, expected_lock_hash: str | None, profile: dict | None = None) -> list[str]:
     """Human lines saying why `actual` does not match the expected lock; empty = match.
 
-    A workstation profile (expected_lock_hash None) matches any fingerprint without an error.
+    A workstation profile (expected_lock_hash None) matches any fingerprint without an error. `profile` (the
+    venv profile asked for, with its `name` and `lock`) is named in the text: the current venv may be another
+    profile's (one target, one `current`), or its profile's lock may have changed since; both read true.
     """
     if actual.get("error"):
         return [actual["error"]]
@@ -402,7 +404,10 @@ def fingerprint_diff(actual: dict, expected_lock_hash: str | None) -> list[str]:
         return []
     got = actual.get("lock_hash")
     if got != expected_lock_hash:
-        return [f"venv {actual.get('venv')} was built from lock {got}, but the profile's lock is now "
+        profile = profile or {}
+        wanted = (f"venv profile {profile['name']!r}" if profile.get("name") else "the venv profile") + (
+            f" (lock {profile['lock']})" if profile.get("lock") else "")
+        return [f"the current venv {actual.get('venv')} was built from lock {got}; {wanted} needs lock "
                 f"{expected_lock_hash} (run `dflashctl rebuild-venv`)"]
     return []
 

@@ -35,6 +35,7 @@ def register(app: typer.Typer) -> None:
                         ["signature", "severity", "count", "first line", "title"], rows))
         worst = report.worst
         example = worst.examples[0]
+        out.soft_wrap = True  # the diagnosis and fix stay whole lines (copy-pastable); the terminal wraps them
         out.print(text("\n", (worst.title, "bold"), f"  (line {worst.first_line})"))
         if example.kind == "traceback":
             out.print(f"  exception: {example.exception}")

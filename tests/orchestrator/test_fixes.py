@@ -109,3 +109,39 @@ def test_an_ssh_destination_ssh_would_read_as_an_option_is_an_inventory_error(tm
         load_inventory(inv)
     assert "hosts.pve.ssh: '-oProxyCommand=id' cannot be given to ssh" in str(info.value)
     assert "hosts.pve.user: 'ro ot' cannot be given to ssh" in str(info.value)
+
+
+@pytest.mark.usefixtures("isolated_tmux")
+def test_a_venv_of_another_profile_is_named_as_such_and_the_fix_builds_the_right_profile(tmp_path, local_target):
+    from orchestrator.agent import venvinfo
+    from orchestrator.errors import PreflightError
+    from orchestrator.ops.launch import LaunchSpec, launch
+
+    # The target's current venv was built for profile `cpu` (lock hash C); the experiment uses `cuda` (U).
+    venv = Path(local_target.workdir) / "venvs" / "C-0"
+    venv.mkdir(parents=True)
+    (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": "C", "packages": {}}))
+    (Path(local_target.workdir) / "venvs" / "current").symlink_to(venv.name)
+    fp = venvinfo.current_fingerprint(local_target.workdir, {"kind": "uv"})
+    assert venvinfo.fingerprint_diff(fp, "U", {"name": "cuda", "lock": "cuda"}) == [
+        "the current venv C-0 was built from lock C; venv profile 'cuda' (lock cuda) needs lock U "
+        "(run `dflashctl rebuild-venv`)"]
+
+    spec = LaunchSpec(experiment="e", kind="command", target="local", command=["true"], lock_hash="U",
+                      venv_profile={"name": "cuda", "kind": "uv", "lock": "cuda"})
+    with pytest.raises(PreflightError) as info:
+        launch(local_target, spec)
+    assert "lock is now" not in info.value.message and "venv profile 'cuda' (lock cuda) needs lock U" in info.value.message
+    assert info.value.fix == "dflashctl rebuild-venv --target local --profile cuda"
+
+
+def test_the_missing_module_fix_names_the_commands_that_check_imports(tmp_path, dflashctl):
+    # doctor imports nothing of the venv; rebuild-venv does (venvinfo.verify), after `dflashctl lock`.
+    log = tmp_path / "train.log"
+    log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                   "ModuleNotFoundError: No module named 'accelerate'\n")
+    r = dflashctl("diagnose", str(log))
+    assert r.returncode == 2, r.stderr
+    fix = next(ln for ln in r.stdout.splitlines() if ln.startswith("fix: "))
+    assert "`dflashctl lock PROFILE`" in fix and "`dflashctl rebuild-venv`" in fix and "imports every" in fix
+    assert "doctor" not in fix and "`accelerate`" in fix

@@ -175,14 +175,17 @@ def _fingerprint(workdir: str, request: dict, emit) -> dict:
         return {"python": sys.version.split()[0], "executable": sys.executable}
     from orchestrator.agent import venvinfo
 
-    actual = venvinfo.current_fingerprint(workdir, request.get("venv_profile") or {})
-    diff = venvinfo.fingerprint_diff(actual, request.get("lock_hash"))
+    profile = request.get("venv_profile") or {}
+    actual = venvinfo.current_fingerprint(workdir, profile)
+    diff = venvinfo.fingerprint_diff(actual, request.get("lock_hash"), profile)
     if diff:
         raise AgentFailure(
             "VenvMismatch",
             "the venv does not match the experiment's lock: " + "; ".join(diff[:12])
             + (f" (and {len(diff) - 12} more)" if len(diff) > 12 else ""),
-            fix="dflashctl rebuild-venv" + (f" --target {request['target']}" if request.get("target") else ""),
+            # --profile: the experiment's profile may not be its target's default, which a bare rebuild builds
+            fix="dflashctl rebuild-venv" + (f" --target {request['target']}" if request.get("target") else "")
+            + (f" --profile {profile['name']}" if profile.get("name") else ""),
             data={"differences": diff},
         )
     emit.progress("venv", "venv matches the lock", lock_hash=actual.get("lock_hash"))
