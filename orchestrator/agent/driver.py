@@ -291,7 +291,8 @@ def fix_text(kind: str, data: dict, lock: str | None = None, target: str | None 
     if kind == LIB_MISMATCH:
         ver = data.get("kernel_module")
         run = _run_file(data.get("arch"), ver or "<host version>")
-        where = f"the host's version {ver}" if ver else "the host's version (cat /proc/driver/nvidia/version on the host)"
+        where = (f"the host's version {ver}" if ver
+                 else "the host's version (cat /proc/driver/nvidia/version on the host)")
         return (f"install {where} of the NVIDIA driver in the container without kernel modules: "
                 f"sh {run} --no-kernel-modules (inside the container), then dflashctl doctor{on}")
     index, needs = data.get("fits_index"), data.get("needs_driver") or "<a version that runs it>"

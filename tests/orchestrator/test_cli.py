@@ -71,7 +71,8 @@ def test_doctor_json_on_a_local_target(tmp_path):
     report = json.loads(res.stdout)
     assert report["target"] == "local" and report["ok"] is True
     names = [c["name"] for c in report["checks"]]
-    assert names == ["python3", "nvidia-smi readable", "tmux", "uv", "free disk", "workdir writable",
+    assert names == ["python3", "nvidia-smi readable", "driver libraries = kernel module",
+                     "driver runs the venv's torch", "tmux", "uv", "free disk", "workdir writable",
                      "inductor cache dir writable"]
     assert (tmp_path / "work" / "inductor-cache").is_dir()
 
