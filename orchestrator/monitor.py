@@ -109,7 +109,8 @@ class ThroughputRegression:
         return [Alert(
             kind="regression",
             message=(f"tokens/s {median:.0f} is {median / self.baseline:.0%} of the last good run's "
-                     f"{self.baseline:.0f} for {now - self._below_since:.0f} s (threshold {self.fraction:.0%})"),
+                     f"{self.baseline:.0f} for {now - self._below_since:.0f} s (regression_fraction: "
+                     f"{self.fraction:.0%} for regression_seconds: {self.seconds:g} s)"),
             detail={"tokens_per_s": median, "baseline": self.baseline, "since": self._below_since,
                     "seconds": now - self._below_since, "step": record.get("step")},
         )]
@@ -177,7 +178,8 @@ class MemoryGrowth:
                 alerts.append(Alert(
                     kind="memory-growth",
                     message=(f"{key} rose {rise:.0f} MiB in {now - series[0][0]:.0f} s "
-                             f"({slope * 60:.1f} MiB/min) while it should be flat"),
+                             f"({slope * 60:.1f} MiB/min) while it should be flat "
+                             f"(memory_growth_seconds: {self.seconds:g} s)"),
                     detail={"key": key, "rise_mib": rise, "slope_mib_per_min": slope * 60,
                             "from": series[0][1], "to": series[-1][1], "step": record.get("step")},
                 ))
@@ -234,7 +236,7 @@ class HangDetector:
         return [Alert(
             kind="hang",
             message=(f"session alive but no new log bytes and no metrics for {silent:.0f} s "
-                     f"(log at {log_bytes} bytes, {metrics_seen} metrics records)"),
+                     f"(hang_seconds: {self.seconds:g} s; log at {log_bytes} bytes, {metrics_seen} metrics records)"),
             detail={"silent_seconds": silent, "log_bytes": log_bytes, "metrics_seen": metrics_seen},
         )]
 

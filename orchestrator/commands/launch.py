@@ -17,20 +17,6 @@ def _inv():
     return load_inventory(GlobalOptions.inventory)
 
 
-def _follow(inv, run_id: str, target: str) -> int:
-    """Follow the new run's log with the logs verb; returns the run's outcome as an exit code."""
-    from orchestrator.ops.logs import logs
-    from orchestrator.render import console, text
-
-    err = console(stderr=True)
-    outcome = logs(inv, run_id, target=target, following=True,
-                   on_line=lambda line: (sys.stdout.write(line if line.endswith("\n") else line + "\n"), sys.stdout.flush()),
-                   on_match=lambda m: err.print(text(("signature:", "bold red"), f" {getattr(m, 'message', m)}")),
-                   on_status=lambda s: err.print(text((str(s), "dim"))))
-    err.print(f"run {run_id}: {outcome.state}")
-    return outcome.exit_code
-
-
 def register(app: typer.Typer) -> None:
     @app.command("launch")
     def launch_cmd(
@@ -41,7 +27,8 @@ def register(app: typer.Typer) -> None:
         follow: bool = typer.Option(False, "--follow", "-f", help="Follow the log until the run ends."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the plan; change nothing."),
         grace: float = typer.Option(20.0, "--grace", help="Seconds between SIGINT, SIGTERM and SIGKILL for --replace."),
-        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (with --follow: JSON lines, "
+                                     "the launch's first, then those of `logs --json`)."),
         resume: str = typer.Option(None, "--resume", metavar="RUN",
                                    help="Continue this run of the experiment from its last complete checkpoint (a new run)."),
     ) -> None:
@@ -58,7 +45,12 @@ def register(app: typer.Typer) -> None:
                             on_event=EventPrinter(quiet=as_json), cli=shlex.join(["dflashctl", *sys.argv[1:]]))
         finally:
             tgt.close()
-        if as_json:
+        if as_json and follow and not dry_run:
+            import json  # one JSON line, then those of the follow (as `logs --json` writes them)
+
+            sys.stdout.write(json.dumps({"type": "launch", **result.to_dict()}, default=str) + "\n")
+            sys.stdout.flush()
+        elif as_json:
             print_json(result.to_dict())
         else:
             out = console()
@@ -82,7 +74,11 @@ def register(app: typer.Typer) -> None:
                                + (f" (continues {result.resumed_from})" if result.resumed_from else "")))
                 out.print(f"  follow: dflashctl logs {result.run_id} --follow    attach: dflashctl attach {result.run_id}")
         if follow and not dry_run:
-            raise typer.Exit(_follow(inv, result.run_id, result.target))
+            from orchestrator.commands.logs import follow_and_print
+
+            # The whole log from its first line, printed exactly as `dflashctl logs RUN --follow` prints it.
+            raise typer.Exit(follow_and_print(inv, result.run_id, target=result.target, follow=True, tail=None,
+                                              as_json=as_json))
 
     @app.command("status")
     def status_cmd(

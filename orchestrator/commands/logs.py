@@ -1,5 +1,6 @@
 """`dflashctl logs [RUN|EXPERIMENT] [--target T] [--follow] [--tail N] [--raw] [--json]`. Thin: flags, one
-call into orchestrator.ops.logs, render lines, diagnoses and alerts."""
+call into orchestrator.ops.logs, render lines, diagnoses and alerts. `launch --follow` prints through the same
+follow_and_print."""
 
 from __future__ import annotations
 
@@ -44,6 +45,62 @@ def _print_match(err, m: dict) -> None:
         err.print(f"  will not help: {wrong}", soft_wrap=True)
 
 
+def _hooks(err, raw: bool, as_json: bool) -> dict:
+    """The follow's callbacks: JSON lines, or log lines on stdout with diagnoses, alerts and notes on stderr
+    (--raw: the log lines only). Every text is literal (rich Text, never markup)."""
+    from orchestrator.render import text
+
+    if as_json:
+        return dict(on_line=lambda line: _json("line", {"text": line}),
+                    on_match=lambda m: _json("match", m),
+                    on_alert=lambda a: _json("alert", a.to_dict() if hasattr(a, "to_dict") else a),
+                    on_status=lambda s: _json("status", {"message": s}))
+    if raw:
+        return dict(on_line=_write)
+    return dict(on_line=_write,
+                on_match=lambda m: _print_match(err, m),
+                on_alert=lambda a: err.print(text((f"alert ({a.kind}):", "bold yellow"), f" {a.message}"),
+                                             soft_wrap=True),
+                on_status=lambda s: err.print(text((str(s), "dim"))))
+
+
+def outcome_line(outcome) -> str:
+    """'run R: failed (exit code 3)', 'run R: stopped by u@h (dflashctl stop) at T (exit code 130)', ..."""
+    code = (outcome.exit or {}).get("exit_code")
+    detail = f" (exit code {code})" if code is not None else ""
+    if outcome.state == "lost":
+        detail = f": {outcome.error}"
+    stopped = (outcome.exit or {}).get("stopped") or {}
+    if outcome.state == "stopped" and stopped:
+        detail = f" by {stopped.get('by')} ({stopped.get('via')}) at {stopped.get('at')}" + detail
+    return f"run {outcome.run_id}: {outcome.state}{detail}"
+
+
+def follow_and_print(inv, ref: str | None, *, target: str | None, follow: bool, tail: int | None,
+                     raw: bool = False, as_json: bool = False) -> int:
+    """Show or follow a run and print it all: the ONE follow of `logs` and `launch --follow` (the same
+    lines, alerts, signature diagnoses and outcome line, whichever verb started it).
+
+    Returns:
+        The exit code (EXIT_CODES_HELP); 130 when Ctrl-C stopped the following (the run keeps running).
+    """
+    from orchestrator.ops.logs import logs
+    from orchestrator.render import console
+
+    err = console(stderr=True)
+    try:
+        outcome = logs(inv, ref, target=target, following=follow, tail=tail, **_hooks(err, raw, as_json))
+    except KeyboardInterrupt:
+        if not as_json:
+            err.print("stopped following; the run keeps running")
+        return 130
+    if as_json:
+        _json("outcome", outcome.to_dict())
+    elif not raw:
+        err.print(outcome_line(outcome), soft_wrap=True)
+    return outcome.exit_code
+
+
 def register(app: typer.Typer) -> None:
     @app.command("logs", help="Show a run's log, or follow it until the run ends. " + EXIT_CODES_HELP)
     def logs_cmd(
@@ -57,37 +114,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from orchestrator.cli import GlobalOptions
         from orchestrator.inventory import load_inventory
-        from orchestrator.ops.logs import logs
-        from orchestrator.render import console, text
 
         if raw and as_json:
             raise typer.BadParameter("--raw and --json exclude each other")
-        err = console(stderr=True)
-        quiet = raw or as_json
-        if as_json:
-            hooks = dict(on_line=lambda line: _json("line", {"text": line}),
-                         on_match=lambda m: _json("match", m),
-                         on_alert=lambda a: _json("alert", a.to_dict() if hasattr(a, "to_dict") else a),
-                         on_status=lambda s: _json("status", {"message": s}))
-        else:
-            hooks = dict(on_line=_write,
-                         on_match=None if quiet else (lambda m: _print_match(err, m)),
-                         on_alert=None if quiet else (lambda a: err.print(text((f"alert ({a.kind}):", "bold yellow"),
-                                                                               f" {a.message}"), soft_wrap=True)),
-                         on_status=None if quiet else (lambda s: err.print(text((str(s), "dim")))))
         inv = load_inventory(GlobalOptions.inventory)
-        try:
-            outcome = logs(inv, ref, target=target, following=follow, tail=None if tail < 0 else tail, **hooks)
-        except KeyboardInterrupt:
-            if not as_json:
-                err.print("stopped following; the run keeps running")
-            raise typer.Exit(130)
-        if as_json:
-            _json("outcome", outcome.to_dict())
-        elif not raw:
-            code = (outcome.exit or {}).get("exit_code")
-            detail = f" (exit code {code})" if code is not None else ""
-            if outcome.state == "lost":
-                detail = f": {outcome.error}"
-            err.print(f"run {outcome.run_id}: {outcome.state}{detail}")
-        raise typer.Exit(outcome.exit_code)
+        raise typer.Exit(follow_and_print(inv, ref, target=target, follow=follow, tail=None if tail < 0 else tail,
+                                          raw=raw, as_json=as_json))
