@@ -140,6 +140,14 @@ class WorkstationVenv(_Strict):
     """`workstation`: use the interpreter running dflashctl."""
 
 
+class SystemVenv(_Strict):
+    """The target's own `python3` as it is (no venv, nothing built, no lock compared); for `command`
+    experiments, e.g. on a container whose python3 has what the command needs."""
+
+    kind: Literal["system"]
+    """`system`: the target's python3 on PATH, as is."""
+
+
 class UvVenv(_Strict):
     """A venv built by uv from a lock, inside the target (`<workdir>/venvs/<lock-hash>-<time>/`)."""
 
@@ -159,9 +167,13 @@ class UvVenv(_Strict):
     """Extra indexes (`--extra-index-url`), e.g. the PyTorch CUDA index."""
     keep: int = Field(3, ge=1)
     """Old venvs kept for `rebuild-venv --rollback`."""
+    wheelhouse: list[str] = []
+    """Directories on THIS workstation: each wheel there that the lock pins (same version and hash) goes to
+    the target with rebuild-venv (once; the target keeps it beside its uv cache), so a target without a
+    network can build the venv when every wheel of the lock is here."""
 
 
-VenvSpec = Annotated[Union[WorkstationVenv, UvVenv], Field(discriminator="kind")]
+VenvSpec = Annotated[Union[WorkstationVenv, SystemVenv, UvVenv], Field(discriminator="kind")]
 
 
 class Layout(_Strict):
@@ -299,7 +311,7 @@ class Inventory(_Strict):
         """The target `name` (raises like `experiment`)."""
         return self._lookup("target", self.targets, name, "--target")
 
-    def venv(self, name: str) -> WorkstationVenv | UvVenv:
+    def venv(self, name: str) -> WorkstationVenv | SystemVenv | UvVenv:
         """The venv profile `name` (raises like `experiment`)."""
         return self._lookup("venv", self.venvs, name, "--profile")
 
@@ -307,7 +319,7 @@ class Inventory(_Strict):
         """The host `name` (raises like `experiment`)."""
         return self._lookup("host", self.hosts, name, "dflashctl trust")
 
-    def venv_for(self, experiment: str) -> tuple[str, WorkstationVenv | UvVenv]:
+    def venv_for(self, experiment: str) -> tuple[str, WorkstationVenv | SystemVenv | UvVenv]:
         """(profile name, profile) of an experiment: its own `venv`, else its target's."""
         exp = self.experiment(experiment)
         name = exp.venv or self.target(exp.target).venv
@@ -529,13 +541,17 @@ def _check_references(inv: Inventory, lines: dict, source: str) -> list[str]:
             wd = PurePosixPath(t.workdir)
             if not wd.is_absolute() or ".." in wd.parts or "\n" in t.workdir:
                 err(("targets", name, "workdir"), f"must be an absolute path without '..' (got {t.workdir!r})")
-        elif t.venv in inv.venvs and not isinstance(inv.venvs[t.venv], (WorkstationVenv, UvVenv)):
-            pass  # pragma: no cover - every kind is allowed locally
+        if isinstance(t, ContainerTargetSpec) and isinstance(inv.venvs.get(t.venv), WorkstationVenv):
+            err(("targets", name, "venv"), f"venv profile {t.venv!r} is the workstation's own interpreter, which a "
+                "container cannot run; use a `kind: system` profile (the container's python3) or a `kind: uv` one")
 
     for name, e in inv.experiments.items():
         ref(("experiments", name, "target"), "target", e.target, inv.targets)
         if e.venv is not None:
             ref(("experiments", name, "venv"), "venv profile", e.venv, inv.venvs)
+            if isinstance(inv.targets.get(e.target), ContainerTargetSpec) and isinstance(inv.venvs.get(e.venv), WorkstationVenv):
+                err(("experiments", name, "venv"), f"venv profile {e.venv!r} is the workstation's own interpreter, "
+                    "which a container cannot run; use a `kind: system` profile (the container's python3)")
         if isinstance(e, DflashExperiment):
             lay = e.layout
             for key, gpus in (("target_gpus", lay.target_gpus), ("drafter_gpus", lay.drafter_gpus)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,33 @@ def pve_ssh(fake_pve):
     transport = fake_pve.ssh_transport()
     yield transport
     transport.close()
+
+
+@pytest.fixture(scope="session")
+def stock_cpu_venv(fake_pve, tmp_path_factory):
+    """A venv of the `cpu` lock (torch's CPU build) built by rebuild-venv in a stock container that lives for
+    the session; its directory is in the fake host's storage, so every stock container sees it at the same
+    path (a test points a container's `venvs/current` at it instead of building its own).
+
+    Yields (venv directory, lock hash).
+    """
+    from fakehost import STOCK_TMUX
+    from orchestrator.ops.venv import rebuild_venv
+    from orchestrator.target import ContainerTarget
+
+    old = os.environ.get("DFLASHCTL_STATE_DIR")
+    os.environ["DFLASHCTL_STATE_DIR"] = str(tmp_path_factory.mktemp("stock-venv-state"))
+    ct = fake_pve.create_container(399, gpus=0, image=STOCK_TMUX)
+    target = ContainerTarget(name="ct399", workdir=ct.workdir, transport=fake_pve.pct_transport(399))
+    try:
+        profile = {"kind": "uv", "lock": "cpu", "python": "3.11", "wheelhouse": ["/opt/wheels"],
+                   "uv_cache_dir": str(fake_pve.storage() / "uv-cache")}
+        report = rebuild_venv(target, profile)
+    finally:
+        target.close()
+        if old is None:
+            os.environ.pop("DFLASHCTL_STATE_DIR", None)
+        else:
+            os.environ["DFLASHCTL_STATE_DIR"] = old
+    yield Path(ct.workdir) / "venvs" / report.venv, report.lock_hash
+    fake_pve.remove_container(399)

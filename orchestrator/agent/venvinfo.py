@@ -204,62 +204,86 @@ class _Out:
         sys.stdout.flush()
 
 
-def _import_one(module: str) -> str | None:
-    """Import `module`; None on success, else `ExcType: message` (last line of the error)."""
-    import importlib
-
-    try:
-        importlib.import_module(module)
-    except BaseException as exc:  # noqa: BLE001 - a module may raise anything, even SystemExit
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        text = str(exc).strip().splitlines()
-        return f"{type(exc).__name__}: {text[-1] if text else ''}"[:400]
-    return None
-
-
-def verify(out=_Out, skip: tuple[str, ...] = ()) -> dict:
-    """Import every top-level module of every installed distribution, then check the bundle's imports.
+def verify(out=_Out, skip: tuple[str, ...] = (), record: Path | None = None, jobs: int | None = None) -> dict:
+    """Import every top-level module of every installed distribution not verified before (in parallel
+    worker processes; see importcheck), then check the bundle's imports; on success, add what was imported
+    to the verified-wheels `record`.
 
     Returns:
-        {"modules": n, "failed": [{module, dist, error}], "missing": {module: [where...]},
-         "torch": version|None, "cuda": version|None, "device_count": int|None}
+        {"modules": n imported, "skipped": [dists verified before], "failed": [{module, dist, error}],
+         "missing": {module: [where...]}, "torch": version|None, "cuda": version|None, "device_count": int|None}
     """
     from importlib import metadata
 
-    plan: list[tuple[str, str]] = []
-    for dist in metadata.distributions():
+    from orchestrator.agent import importcheck
+
+    by_name, deps = importcheck.requirements(metadata.distributions())
+    dists = list(by_name.values())
+    keys = importcheck.dist_keys(by_name, deps)
+    verified = importcheck.load_record(record)
+    plan: dict[str, str] = {}
+    todo: dict[str, dict] = {}
+    skipped: list[str] = []
+    for dist in dists:
         dname = normalize_name(dist.metadata.get("Name") or "?")
+        key = keys.get(dname)
+        if dname != BUNDLE_DIST and key in verified:
+            skipped.append(dname)
+            continue
+        if key and dname != BUNDLE_DIST:
+            todo[key] = {"dist": dname, "version": dist.version}
         for mod in top_level_modules(dist):
-            if mod not in skip and mod not in {m for m, _ in plan}:
-                plan.append((mod, dname))
+            if mod not in skip:
+                plan.setdefault(mod, dname)
     # torch first: most of the others import it anyway, and its failure is the one that matters most.
-    plan.sort(key=lambda md: (md[0] != "torch", md[1] == BUNDLE_DIST, md[0]))
-    failed = []
-    for i, (mod, dname) in enumerate(plan, 1):
-        out.event("progress", step="verify", message=f"import {mod}", module=mod, dist=dname, i=i, n=len(plan))
-        err = _import_one(mod)
+    order = sorted(plan, key=lambda m: (m != "torch", plan[m] == BUNDLE_DIST, m))
+    failed: list[dict] = []
+    info = _skipped_torch_info(verified, keys)
+    done = 0
+
+    def on_result(mod: str, err: str | None, torch_info: dict | None) -> None:
+        nonlocal done
+        done += 1
+        out.event("progress", step="verify", message=f"import {mod}", module=mod, dist=plan[mod], i=done, n=len(order))
         if err:
-            failed.append({"module": mod, "dist": dname, "error": err})
+            failed.append({"module": mod, "dist": plan[mod], "error": err})
+        if torch_info:
+            info.update(torch_info)
+
+    # The bundle scan (parsing its sources) runs while the workers import.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        scan = pool.submit(_missing_bundle_modules)
+        importcheck.import_all(order, plan, importcheck.closures(deps), jobs or importcheck.default_jobs(), on_result)
+        missing = scan.result()
+    if record is not None and not failed and not missing:
+        if info.get("torch") and keys.get("torch") in todo:
+            todo[keys["torch"]].update(torch=info["torch"], cuda=info.get("cuda"))
+        importcheck.save_record(record, verified, todo)
+    return {"modules": len(order), "skipped": sorted(skipped), "failed": failed, "missing": missing,
+            "torch": info.get("torch"), "cuda": info.get("cuda"), "device_count": info.get("device_count")}
+
+
+def _skipped_torch_info(verified: dict, keys: dict[str, str]) -> dict:
+    """torch's version and CUDA build from the record when torch is not imported again (a property of the
+    wheel); the GPU count is the machine's, so it stays unknown until torch is imported."""
+    entry = verified.get(keys.get("torch") or "") or {}
+    return {"torch": entry.get("torch"), "cuda": entry.get("cuda"), "device_count": None}
+
+
+def _missing_bundle_modules() -> dict[str, list[str]]:
+    import importlib.util
+
     missing = {}
     for mod, where in bundle_requirements().items():
-        import importlib.util
-
         try:
             found = importlib.util.find_spec(mod) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
             missing[mod] = where[:5]
-    info = {"torch": None, "cuda": None, "device_count": None}
-    if "torch" in sys.modules:
-        torch = sys.modules["torch"]
-        info = {"torch": str(torch.__version__), "cuda": torch.version.cuda}
-        try:
-            info["device_count"] = int(torch.cuda.device_count()) if torch.version.cuda else 0
-        except Exception:  # noqa: BLE001 - a broken driver is reported, not fatal here
-            info["device_count"] = None
-    return {"modules": len(plan), "failed": failed, "missing": missing, **info}
+    return missing
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -304,9 +328,11 @@ def _main_verify(args: list[str]) -> int:
     p.add_argument("--python-request", required=True)
     p.add_argument("--freeze")
     p.add_argument("--uv-version")
+    p.add_argument("--record", help="the verified-wheels record of this workdir (read, and extended on success)")
+    p.add_argument("--jobs", type=int, default=None, help="import worker processes (default: CPUs, at most 8)")
     a = p.parse_args(args)
     venv = Path(a.venv)
-    res = verify()
+    res = verify(record=Path(a.record) if a.record else None, jobs=a.jobs)
     if res["failed"]:
         first = res["failed"][0]
         more = f" (and {len(res['failed']) - 1} more)" if len(res["failed"]) > 1 else ""
@@ -323,9 +349,10 @@ def _main_verify(args: list[str]) -> int:
                    fix="add the distributions that provide them to the lock's .in file and run `dflashctl lock PROFILE`",
                    data={"missing": res["missing"]})
         return EXIT_VERIFY_FAILED
-    _Out.event("progress", step="verify", message=f"{res['modules']} modules import; torch {res['torch']}, "
+    again = f" ({len(res['skipped'])} distributions verified before, not imported again)" if res["skipped"] else ""
+    _Out.event("progress", step="verify", message=f"{res['modules']} modules import{again}; torch {res['torch']}, "
                f"CUDA {res['cuda']}, {res['device_count']} GPU(s)", torch=res["torch"], cuda=res["cuda"],
-               device_count=res["device_count"])
+               device_count=res["device_count"], skipped=res["skipped"])
     fp = build_fingerprint(venv, lock_hash=a.lock_hash, bundle_hash=a.bundle_hash, python_request=a.python_request,
                            freeze_file=Path(a.freeze) if a.freeze else None, torch_info=res, uv_version=a.uv_version)
     # One line: the rebuild script embeds it verbatim in its no-op and rollback results.
@@ -365,19 +392,57 @@ def workstation_fingerprint() -> dict:
     }
 
 
+# Run by the target's python3 for a `system` profile: what the workstation fingerprint reads, as JSON.
+_SYSTEM_PROBE = (
+    "import json, platform, re, sys\n"
+    "from importlib import metadata\n"
+    "p = {}\n"
+    "for d in metadata.distributions():\n"
+    "    n = d.metadata.get('Name')\n"
+    "    if n: p.setdefault(re.sub(r'[-_.]+', '-', n).lower(), d.version)\n"
+    "print(json.dumps({'python': platform.python_version(), 'executable': sys.executable, 'packages': dict(sorted(p.items()))}))\n"
+)
+
+
+def system_fingerprint() -> dict:
+    """The fingerprint of the target's `python3` on PATH (the `system` profile): no lock, no venv dir. The
+    agent itself may run in a venv; the run's commands find python3 on PATH, so that one is described."""
+    import shutil
+
+    exe = shutil.which("python3")
+    if exe is None:
+        return {"kind": "system", "venv": None, "lock_hash": None,
+                "error": "no python3 on PATH in the target (install it: apt-get install -y python3)"}
+    try:
+        out = subprocess.run([exe, "-I", "-c", _SYSTEM_PROBE], capture_output=True, text=True, timeout=60, check=True)
+        probe = json.loads(out.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        return {"kind": "system", "venv": None, "lock_hash": None, "error": f"{exe} does not run: {exc}"}
+    packages = probe["packages"]
+    return {
+        "kind": "system", "venv": None, "lock_hash": None, "bundle_hash": os.environ.get("DFLASHCTL_BUNDLE_HASH"),
+        "python": probe["python"], "python_request": None, "executable": probe["executable"],
+        "platform": f"{sys.platform}-{platform.machine()}", "packages": packages,
+        "freeze": [f"{n}=={v}" for n, v in packages.items()],
+        "torch": packages.get("torch"), "cuda": None, "device_count": None, "driver": None, "uv": None, "created": _now(),
+    }
+
+
 def current_fingerprint(workdir: str, profile) -> dict:
     """The fingerprint of the venv a launch in `workdir` would use.
 
     Args:
         workdir: the target workdir (holds venvs/current).
         profile: the venv profile (a dict, or a model with `.kind`); kind `workstation` (or an empty/None
-            profile) means the running interpreter.
+            profile) means the running interpreter, kind `system` the target's python3 on PATH.
     Returns:
         The fingerprint dict (contracts.md). For a uv profile without a usable current venv, a dict with
         `lock_hash: None` and `error` saying what is wrong and how to fix it.
     """
     if _profile_kind(profile) == "workstation":
         return workstation_fingerprint()
+    if _profile_kind(profile) == "system":
+        return system_fingerprint()
     current = Path(workdir) / "venvs" / "current"
     fix = "run `dflashctl rebuild-venv`"
     if not current.exists():

@@ -6,9 +6,11 @@ import typer
 
 REBUILD_HELP = """Build the target's venv from its profile's lock in ONE command on the target: a new
 venvs/<lock-hash>-<time>/ (uv venv + exact uv pip sync of the lock and this project's bundle), every
-top-level module imported, a fingerprint written, then `current` switched atomically. Nothing to do when
-`current` already matches the lock and the bundle (unless --force). A failure names the step and the
-reason and leaves `current` as it was."""
+top-level module imported (once per exact wheel), a fingerprint written, then `current` switched
+atomically. The target needs no pip and no uv: this workstation's uv travels along (into <workdir>/bin/uv),
+as do the profile's wheelhouse wheels; a container also gets tmux (apt-get) when it lacks it. Nothing to
+do when `current` already matches the lock and the bundle (unless --force). A failure names the step and
+the reason and leaves `current` as it was."""
 
 LOCK_HELP = """Regenerate templates/locks/PROFILE.txt (all profiles when none is given) with
 `uv pip compile --generate-hashes` from PROFILE.in, keeping existing pins unless --upgrade-package
@@ -92,8 +94,12 @@ def register(app: typer.Typer) -> None:
         out = console()
         fp = report.fingerprint or {}
         env = f"python {fp.get('python')}, torch {fp.get('torch')}, CUDA {fp.get('cuda')}" if fp else ""
-        if report.action == "workstation":
-            out.print(f"profile {pname!r} is the workstation's own interpreter: nothing to build")
+        for w in report.warnings:
+            console(stderr=True).print(f"warning: {w['message']}" + (f"\n  fix: {w['fix']}" if w.get("fix") else ""),
+                                       markup=False, highlight=False)
+        if report.action in ("workstation", "system"):
+            what = "the workstation's own interpreter" if report.action == "workstation" else "the target's python3 as is"
+            out.print(f"profile {pname!r} is {what}: nothing to build", markup=False)
         elif report.action == "noop":
             out.print(f"{tname}: venv {report.venv} already matches lock {report.lock_hash} and bundle "
                       f"{report.bundle_hash} ({env}); nothing to do (--force rebuilds)")
@@ -108,6 +114,11 @@ def register(app: typer.Typer) -> None:
                 out.print(f"  previous: {report.previous} (dflashctl rebuild-venv --rollback)")
             if report.pruned:
                 out.print(f"  removed old venvs: {', '.join(report.pruned)}")
+            if report.carried:
+                out.print(f"  brought along: {', '.join(report.carried)} ({report.carried_bytes / 2**20:.0f} MiB)",
+                          markup=False)
+        if report.tmux == "installed":
+            out.print(f"{tname}: tmux installed (apt-get)", markup=False)
 
     @app.command("lock", help=LOCK_HELP)
     def lock_cmd(

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from orchestrator.agent import driver as nvdriver
 from orchestrator.errors import ConnectError, ContainerMissing, DflashError, HostKeyError, PctError
+from orchestrator.ops.venv import TMUX_INSTALL
 from orchestrator.transport.quoting import render
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
@@ -145,13 +146,21 @@ def _agent_checks(rep: DoctorReport, ping: dict, kind: str, prefix, min_free_gib
                 "(NVIDIA-Linux-*.run --no-kernel-modules)")
     _driver_checks(rep, ping, venv or {}, target)
 
+    # A container gets both from rebuild-venv (tmux by apt-get, uv: the workstation's own binary), so their
+    # absence there is the next step, not a failure; locally, tmux is the user's to install.
+    rebuild = render(["dflashctl", "rebuild-venv", "--target", rep.target])
     tmux = ping.get("tmux")
-    rep.add("tmux", OK if tmux else FAIL, tmux or "tmux not found on PATH", _fix(prefix, ["apt-get", "install", "-y", "tmux"]))
+    if tmux:
+        rep.add("tmux", OK, tmux)
+    elif kind == "container":
+        rep.add("tmux", WARN, "tmux not installed (runs live in tmux sessions)",
+                f"{rebuild}  (installs it with apt-get), or: {_fix(prefix, TMUX_INSTALL)}")
+    else:
+        rep.add("tmux", FAIL, "tmux not found on PATH", "apt-get install -y tmux")
 
     uv = ping.get("uv")
-    rep.add("uv", OK if uv else FAIL, f"{uv.get('version')} at {uv.get('path')}" if uv else "uv not found",
-            _fix(prefix, ["sh", "-c", "curl -LsSf https://astral.sh/uv/install.sh | sh"]) if prefix
-            else "curl -LsSf https://astral.sh/uv/install.sh | sh")
+    rep.add("uv", OK if uv else WARN, f"{uv.get('version')} at {uv.get('path')}" if uv
+            else "uv not found (rebuild-venv brings this workstation's own)", rebuild)
 
     disk = ping.get("disk") or {}
     free = disk.get("free_bytes")

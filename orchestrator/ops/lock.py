@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +75,20 @@ class LockFile:
     def pins(self) -> dict[str, str]:
         return parse_pins(self.data.decode("utf-8", errors="replace"))
 
+    def hashes(self) -> dict[str, set[str]]:
+        """`{normalized name: {sha256, ...}}`: the `--hash=sha256:` values of each pin (continuation lines)."""
+        out: dict[str, set[str]] = {}
+        name = None
+        for line in self.data.decode("utf-8", errors="replace").splitlines():
+            m = _PIN.match(line.strip())
+            if m:
+                name = normalize_name(m.group(1))
+            elif not line.startswith((" ", "\t")):
+                name = None
+            if name:
+                out.setdefault(name, set()).update(re.findall(r"--hash=sha256:([0-9a-f]{64})", line))
+        return out
+
 
 def resolve_lock(spec: str, locks_dir: Path | None = None) -> LockFile:
     """Find the lock a venv profile names: a shipped profile name, or a path to a lock file.
@@ -118,14 +130,9 @@ def uv_command() -> list[str]:
     Raises:
         UserError: neither exists.
     """
-    exe = shutil.which("uv")
-    if exe:
-        return [exe]
-    import importlib.util
+    from orchestrator.ops.carry import uv_binary_path
 
-    if importlib.util.find_spec("uv") is not None:
-        return [sys.executable, "-m", "uv"]
-    raise UserError("uv is not installed on this workstation", fix="pip install uv  (or: pipx install uv)")
+    return [uv_binary_path()]
 
 
 def compile_argv(

@@ -1,10 +1,15 @@
 """rebuild-venv: a locked, verified uv venv in the target, swapped in atomically, in ONE target command.
 
-The work happens in `templates/rebuild_venv.sh` (bash + python3 + uv: no venv exists yet), run once with
-the lock and this project's bundle (as a wheel) in a tar on stdin. The target's NVIDIA driver must run
-the lock's torch (checked before the sync, and again from the fingerprint before the switch). It streams JSON events; this module
-builds its argv and payload, forwards progress, and turns a failure into an error naming the step and
-the reason (resolution error, missing wheel, offline cache miss, the module that does not import).
+The work happens in `templates/rebuild_venv.sh` (bash and coreutils: no venv, no pip, no uv needed in the
+target), run once with the lock and this project's bundle (as a wheel) in a tar on stdin. The target's
+NVIDIA driver must run the lock's torch (checked before the sync, and again from the fingerprint before
+the switch). It streams JSON events; this module builds its argv and payload, forwards progress, and
+turns a failure into an error naming the step and the reason (resolution error, missing wheel, offline
+cache miss, the module that does not import).
+
+What a container lacks travels in the same payload (orchestrator/ops/carry.py): the workstation's own uv
+binary and the wheels of the profile's `wheelhouse`, each only while this workstation does not know the
+container holds it; when that belief is wrong, the script says what it needs and the one retry brings it.
 
 Why a wheel for the bundle: it joins the lock in one exact, hash-checked `uv pip sync`, shows up in
 `uv pip freeze` and the fingerprint as `dflashctl-bundle==0+b<hash>`, and its RECORD names the files, so
@@ -18,6 +23,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 import re
 import tarfile
 import time
@@ -30,6 +36,8 @@ from pathlib import Path
 from orchestrator.agent import driver
 from orchestrator.agent.venvinfo import BUNDLE_DIST, FINGERPRINT, STAMP
 from orchestrator.errors import AgentError, UserError
+from orchestrator.ops import carry
+from orchestrator.ops.carry import CarriedWheel, UvBinary
 from orchestrator.ops.lock import LockFile, resolve_lock
 
 SCRIPT_PATH = Path(__file__).resolve().parent.parent / "templates" / "rebuild_venv.sh"
@@ -59,20 +67,31 @@ class UvProfile:
     index_url: str | None = None
     extra_index_urls: tuple[str, ...] = ()
     keep: int = 3
+    wheelhouse: tuple[str, ...] = ()
+    """Workstation directories whose wheels of the lock travel to the target (see inventory.UvVenv)."""
+
+
+# Profiles that use an interpreter as it is: nothing to build.
+AS_IS_KINDS = ("workstation", "system")
+
+
+def profile_kind(profile) -> str:
+    data = profile.model_dump() if hasattr(profile, "model_dump") else dict(profile or {})
+    return str(data.get("kind", "uv"))
 
 
 def as_profile(profile) -> UvProfile | None:
-    """A UvProfile from an inventory model or a dict; None for the `workstation` kind.
+    """A UvProfile from an inventory model or a dict; None for the `workstation` and `system` kinds.
 
     Raises:
         UserError: an unknown kind, a python request with spaces or shell characters, keep < 1.
     """
     data = profile.model_dump() if hasattr(profile, "model_dump") else dict(profile or {})
     kind = data.get("kind", "uv")
-    if kind == "workstation":
+    if kind in AS_IS_KINDS:
         return None
     if kind != "uv":
-        raise UserError(f"venv profile kind {kind!r} cannot be rebuilt", fix="use kind: uv (or workstation)")
+        raise UserError(f"venv profile kind {kind!r} cannot be rebuilt", fix="use kind: uv (or system / workstation)")
     p = UvProfile(
         lock=str(data.get("lock") or "cuda"),
         python=str(data.get("python") or "3.11"),
@@ -81,6 +100,7 @@ def as_profile(profile) -> UvProfile | None:
         index_url=data.get("index_url") or None,
         extra_index_urls=tuple(data.get("extra_index_urls") or ()),
         keep=int(data.get("keep") or 3),
+        wheelhouse=tuple(data.get("wheelhouse") or ()),
     )
     if not _PY_REQUEST.match(p.python):
         raise UserError(f"bad python request {p.python!r} in the venv profile", fix='use a version like "3.11"')
@@ -154,23 +174,49 @@ def bundle_wheel(bundle_hash: str, bundle_zip: bytes) -> Wheel:
     return Wheel(f"dflashctl_bundle-{version}-py3-none-any.whl", buf.getvalue())
 
 
-def payload(lock: LockFile, wheel: Wheel) -> bytes:
-    """The tar the script reads on stdin: `lock.txt` and the wheel (deterministic)."""
+def payload(lock: LockFile, wheel: Wheel, wheels: list[CarriedWheel] = (), *, send_wheels: list[CarriedWheel] = (),
+            uv: UvBinary | None = None) -> bytes:
+    """The tar the script reads on stdin (deterministic): `lock.txt`, the bundle wheel, `wheels.sha256` (the
+    wheelhouse wheels the target must hold, sha256sum's format), then inline what the target lacks: `uv`
+    (the workstation's binary) and `wheels/<file>` for each of `send_wheels`."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for name, data in (("lock.txt", lock.data), (wheel.name, wheel.data)):
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
+    listing = "".join(f"{w.sha256}  {w.file}\n" for w in wheels).encode()
+
+    def add(tf, name: str, data: bytes | None = None, path: str | None = None, mode: int = 0o644) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data) if data is not None else os.stat(path).st_size
+        info.mode, info.mtime = mode, 0
+        if data is not None:
             tf.addfile(info, io.BytesIO(data))
+        else:
+            with open(path, "rb") as fh:
+                tf.addfile(info, fh)
+
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        add(tf, "lock.txt", lock.data)
+        add(tf, wheel.name, wheel.data)
+        add(tf, "wheels.sha256", listing)
+        if uv is not None:
+            add(tf, "uv", path=uv.path, mode=0o755)
+        for w in send_wheels:
+            add(tf, f"wheels/{w.file}", path=w.path)
     return buf.getvalue()
 
 
 def script_argv(mode: str, workdir: str, *, lock_hash: str = "-", bundle_hash: str = "-", python: str = "-",
                 keep: int = 3, force: bool = False, offline: bool = False, cache: str | None = None,
-                wheel: str = "-", wheel_sha: str = "-", sync_opts: list[str] | None = None) -> list[str]:
-    """The ONE command: `bash -c SCRIPT rebuild-venv MODE WORKDIR ...` (pure; argument order is the script's)."""
+                wheel: str = "-", wheel_sha: str = "-", uv_bin: str = "-", uv_version: str = "-", uv_sha: str = "-",
+                tmux: bool = False, sync_opts: list[str] | None = None) -> list[str]:
+    """The ONE command: `bash -c SCRIPT rebuild-venv MODE WORKDIR ...` (pure; argument order is the script's).
+
+    Args:
+        uv_bin: a uv path the target can run as is (a local target: the workstation's own); `-` for a
+            container, which uses <workdir>/bin/uv (sha256 `uv_sha`) or a uv of exactly `uv_version`.
+        tmux: install tmux with apt-get when it is missing (containers).
+    """
     return ["bash", "-c", script_text(), "rebuild-venv", mode, workdir, lock_hash, bundle_hash, python, str(keep),
-            "1" if force else "0", "1" if offline else "0", cache or "", wheel, wheel_sha, *(sync_opts or [])]
+            "1" if force else "0", "1" if offline else "0", cache or "", wheel, wheel_sha, uv_bin, uv_version, uv_sha,
+            "1" if tmux else "0", *(sync_opts or [])]
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -181,7 +227,8 @@ class VenvReport:
     """What rebuild-venv did."""
 
     action: str
-    """`built`, `noop` (current already matches), `rollback`, or `workstation` (nothing to build)."""
+    """`built`, `noop` (current already matches), `rollback`, or the as-is kinds `workstation` / `system`
+    (nothing to build)."""
     target: str
     venv: str | None = None
     """Directory name under `<workdir>/venvs/` that `current` now points to."""
@@ -194,7 +241,14 @@ class VenvReport:
     timings_ms: dict = field(default_factory=dict)
     wall_s: float = 0.0
     commands: int = 0
-    """Transport commands made (1 for every path; pct exec count for a container)."""
+    """Transport commands made (1, or 2 when the target lacked what this workstation believed it held)."""
+    carried: list[str] = field(default_factory=list)
+    """What travelled inline besides the lock and the bundle: `uv`, wheel file names."""
+    carried_bytes: int = 0
+    tmux: str | None = None
+    """Container targets: `present`, `installed` (by apt-get, now), `missing` (then a warning says why)."""
+    warnings: list[dict] = field(default_factory=list)
+    """{type, message, fix}: things that do not stop the build but will stop a launch (tmux missing)."""
 
     @property
     def torch(self) -> str | None:
@@ -264,6 +318,8 @@ class _Events:
         self.final: dict | None = None
         self.fingerprint: dict | None = None
         self.last_import: str | None = None
+        self.need: dict | None = None
+        self.warnings: list[dict] = []
 
     def feed(self, chunk: bytes) -> None:
         self.buf += chunk
@@ -290,6 +346,11 @@ class _Events:
         if kind in ("result", "error"):
             self.final = ev
             return
+        if kind == "need":
+            self.need = ev
+            return
+        if kind == "warning":
+            self.warnings.append(ev)
         if kind == "fingerprint":
             self.fingerprint = ev.get("data")
         if kind == "progress" and ev.get("module"):
@@ -318,45 +379,107 @@ def profile_for(inv, target: str | None, profile: str | None):
 def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False, rollback: bool = False,
                  on_event: EventCallback | None = None, locks_dir: Path | None = None,
                  timeout: float = 3600.0) -> VenvReport:
-    """Build (or keep, or roll back) the target's venv from the profile's lock, in ONE target command.
+    """Build (or keep, or roll back) the target's venv from the profile's lock, in ONE target command (two
+    when the target lacked the uv or wheels this workstation believed it held).
 
     Args:
         target: a LocalTarget or ContainerTarget (`.run(argv, stdin=, on_stdout=, timeout=)`, `.workdir`).
-        profile: the venv profile (inventory model or dict); kind `workstation` builds nothing.
-        offline: uv uses only its cache (and the profile's local find_links).
+        profile: the venv profile (inventory model or dict); kinds `workstation` and `system` build nothing.
+        offline: uv uses only its cache and the carried/local wheels; no Python download, no apt-get update.
         force: rebuild even when `current` already matches the lock and the bundle.
         rollback: switch `current` back to the previous venv instead of building.
-        on_event: receives progress and log events (uv's lines, one import per module) as they come.
+        on_event: receives progress, log and warning events (uv's and apt's lines, the imports) as they come.
         locks_dir: where shipped locks are looked up (tests).
         timeout: seconds for the whole command.
     Returns:
-        A VenvReport (`action` built / noop / rollback / workstation).
+        A VenvReport (`action` built / noop / rollback / workstation / system).
     Raises:
-        UserError: bad profile or lock. AgentError: a step failed (its type and step in the message;
-        DriverTooOld / DriverLibraryMismatch: the target's NVIDIA driver cannot run the lock's torch);
-        `current` is then as it was. ConnectError / PctError: the target cannot be reached.
+        UserError: bad profile, lock or wheelhouse. AgentError: a step failed (its type and step in the
+        message; DriverTooOld / DriverLibraryMismatch: the target's NVIDIA driver cannot run the lock's
+        torch); `current` is then as it was. ConnectError / PctError: the target cannot be reached.
     """
     start = time.monotonic()
     p = as_profile(profile)
     if p is None:
-        return VenvReport("workstation", target.name, wall_s=time.monotonic() - start)
+        return VenvReport(profile_kind(profile), target.name, wall_s=time.monotonic() - start)
     if rollback:
-        argv = script_argv("rollback", target.workdir)
-        stdin = None
-        lock = None
-    else:
+        return _finish(target, None, _run_script(target, script_argv("rollback", target.workdir), None, on_event,
+                                                 timeout), start, 1, [], 0)
+    plan = _BuildPlan(target, p, resolve_lock(p.lock, locks_dir), offline, force)
+    events, res = _run_script(target, plan.argv(), plan.stdin(), on_event, timeout)
+    commands = 1
+    need = events.need if events.final and events.final.get("type") == "NeedFiles" else None
+    if need is not None:  # this workstation's memory of the target was wrong: send exactly what it asks for
+        plan.send(uv=bool(need.get("uv")), wheels=set(need.get("wheels") or ()))
+        events, res = _run_script(target, plan.argv(), plan.stdin(), on_event, timeout)
+        commands = 2
+    report = _finish(target, plan.lock, (events, res), start, commands, plan.sent_names(), plan.sent_bytes(), p.lock)
+    plan.remember()
+    return report
+
+
+class _BuildPlan:
+    """What one build sends: the argv, and which of uv / the wheelhouse wheels travel inline."""
+
+    def __init__(self, target, profile: UvProfile, lock: LockFile, offline: bool, force: bool):
         from orchestrator.bundle import build_bundle
 
-        lock = resolve_lock(p.lock, locks_dir)
+        self.target, self.profile, self.lock, self.offline, self.force = target, profile, lock, offline, force
         bundle = build_bundle()
-        wheel = bundle_wheel(bundle.hash, bundle.data)
-        argv = script_argv("build", target.workdir, lock_hash=lock.hash, bundle_hash=bundle.hash, python=p.python,
-                           keep=p.keep, force=force, offline=offline, cache=p.uv_cache_dir, wheel=wheel.name,
-                           wheel_sha=wheel.sha256, sync_opts=sync_options(p, lock))
-        stdin = payload(lock, wheel)
+        self.bundle_hash = bundle.hash
+        self.wheel = bundle_wheel(bundle.hash, bundle.data)
+        self.uv = carry.workstation_uv()
+        self.key = target.bundle_cache_key() if hasattr(target, "bundle_cache_key") else None
+        # A local target sees the workstation's files: its uv and wheelhouse are used where they are.
+        self.wheels = carry.lock_wheels(lock, profile.wheelhouse) if self.key else []
+        held = carry.known(self.key) if self.key else {"uv": None, "wheels": {}}
+        self.send_uv = self.key is not None and held["uv"] != self.uv.sha256
+        self.send_wheels = [w for w in self.wheels if held["wheels"].get(w.file) != w.sha256]
+
+    def send(self, uv: bool, wheels: set[str]) -> None:
+        self.send_uv = self.send_uv or uv
+        self.send_wheels = [w for w in self.wheels if w.file in wheels or w in self.send_wheels]
+
+    def argv(self) -> list[str]:
+        p, lock = self.profile, self.lock
+        opts = sync_options(p, lock)
+        if not self.key:
+            for d in p.wheelhouse:
+                opts += ["--find-links", os.path.expanduser(d)]
+        return script_argv("build", self.target.workdir, lock_hash=lock.hash, bundle_hash=self.bundle_hash,
+                           python=p.python, keep=p.keep, force=self.force, offline=self.offline, cache=p.uv_cache_dir,
+                           wheel=self.wheel.name, wheel_sha=self.wheel.sha256,
+                           uv_bin="-" if self.key else self.uv.path, uv_version=self.uv.version,
+                           uv_sha=self.uv.sha256, tmux=self.key is not None, sync_opts=opts)
+
+    def stdin(self) -> bytes:
+        return payload(self.lock, self.wheel, self.wheels, send_wheels=self.send_wheels,
+                       uv=self.uv if self.send_uv else None)
+
+    def sent_names(self) -> list[str]:
+        return (["uv"] if self.send_uv else []) + [w.file for w in self.send_wheels]
+
+    def sent_bytes(self) -> int:
+        return (os.stat(self.uv.path).st_size if self.send_uv else 0) + sum(w.size for w in self.send_wheels)
+
+    def remember(self) -> None:
+        """After a build that succeeded (or found nothing to do with everything sent): the target holds them."""
+        if self.key:
+            carry.remember(self.key, self.uv.sha256, self.wheels)
+
+
+def _run_script(target, argv: list[str], stdin: bytes | None, on_event, timeout: float):
     events = _Events(on_event)
     res = target.run(argv, stdin=stdin, timeout=timeout, on_stdout=events.feed)
     events.finish()
+    return events, res
+
+
+def _finish(target, lock: LockFile | None, ran, start: float, commands: int, carried: list[str],
+            carried_bytes: int, lock_spec: str | None = None) -> VenvReport:
+    """The report of the script's final event; an AgentError for its error (or for no final event).
+    `lock_spec`: the profile's `lock` as written (a driver fix names it)."""
+    events, res = ran
     final = events.final
     if final is None:
         err = res.stderr.decode("utf-8", errors="replace").strip().splitlines()[-5:]
@@ -365,17 +488,58 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
                          + (": " + " | ".join(err) if err else ""), agent_type="RebuildDied", result=res)
     if final.get("event") == "error":
         if final.get("type") in driver.PROBLEM_TYPES:  # the target does not know the lock's or the target's name
-            final = {**final, "fix": driver.fix_text(final["type"], final.get("data") or {}, lock=p.lock,
-                                                     target=target.name)}
+            final = {**final, "fix": driver.fix_text(final["type"], final.get("data") or {},
+                                                     lock=lock_spec, target=target.name)}
         raise classify(final, events.last_import)
     data = final.get("data") or {}
+    warnings = [{"type": w.get("type"), "message": w.get("message"), "fix": _warning_fix(target, w)}
+                for w in events.warnings]
     return VenvReport(
         action=data.get("action", "?"), target=target.name, venv=data.get("venv"), previous=data.get("previous") or None,
         lock_hash=data.get("lock_hash"), bundle_hash=data.get("bundle_hash"), lock=lock.name if lock else None,
         fingerprint=events.fingerprint or data.get("fingerprint"), pruned=list(data.get("pruned") or []),
-        timings_ms=dict(data.get("timings") or {}), wall_s=time.monotonic() - start, commands=1,
+        timings_ms=dict(data.get("timings") or {}), wall_s=time.monotonic() - start, commands=commands,
+        carried=carried if data.get("action") == "built" else [], carried_bytes=carried_bytes,
+        tmux=data.get("tmux") if data.get("tmux") not in (None, "unchecked") else None, warnings=warnings,
     )
 
 
-__all__ = ["FINGERPRINT", "STAMP", "UvProfile", "VenvReport", "Wheel", "as_profile", "bundle_wheel", "classify",
-           "payload", "rebuild_venv", "script_argv", "sync_options"]
+def _warning_fix(target, warning: dict) -> str | None:
+    if warning.get("type") == "TmuxMissing":
+        return tmux_fix(target)
+    return None
+
+
+# Installs tmux on a Debian/Ubuntu target whose package lists may be empty (as the PVE templates ship).
+TMUX_INSTALL = ["sh", "-c", "apt-get update && apt-get install -y tmux"]
+
+
+def tmux_fix(target) -> str:
+    """The command that installs tmux in a container, runnable as printed on the workstation."""
+    from orchestrator.transport.quoting import render
+
+    return inside_command(target, TMUX_INSTALL) or render(TMUX_INSTALL)
+
+
+def inside_command(target, argv: list[str]) -> str | None:
+    """`ssh [-p PORT] [-i KEY] [-o UserKnownHostsFile=F] [USER@]HOST pct exec CTID -- argv` for a container
+    target, with what the inventory gives for its host (None for a local target)."""
+    from orchestrator.transport.quoting import render
+
+    pct = getattr(target, "transport", None)
+    ssh = getattr(pct, "parent", None)
+    if ssh is None or not hasattr(pct, "ctid") or not hasattr(ssh, "hostname"):
+        return None
+    opts = ["-p", str(ssh.port)] if ssh.port != 22 else []
+    if getattr(ssh, "identity_file", None):
+        opts += ["-i", ssh.identity_file]
+    if getattr(ssh, "known_hosts", None):
+        opts += ["-o", f"UserKnownHostsFile={ssh.known_hosts}"]
+    dest = f"{ssh.user}@{ssh.hostname}" if ssh.user else ssh.hostname
+    # ssh joins its arguments into one line for the host's shell: the pct command is quoted as one argument.
+    remote = render([*(["sudo", "-n"] if pct.sudo else []), pct.pct, "exec", str(pct.ctid), "--", *argv])
+    return render(["ssh", *opts, dest, remote])
+
+
+__all__ = ["AS_IS_KINDS", "FINGERPRINT", "STAMP", "UvProfile", "VenvReport", "Wheel", "as_profile", "bundle_wheel",
+           "classify", "payload", "profile_kind", "rebuild_venv", "script_argv", "sync_options", "tmux_fix"]

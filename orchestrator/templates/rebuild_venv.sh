@@ -1,16 +1,26 @@
 # dflashctl rebuild-venv: build a locked, verified uv venv in the target and switch `current` to it.
 # Run as ONE command: bash -c "$(cat rebuild_venv.sh)" rebuild-venv MODE WORKDIR LOCK_HASH BUNDLE_HASH
-#   PYTHON KEEP FORCE OFFLINE UV_CACHE_DIR WHEEL WHEEL_SHA256 [uv pip sync options...]
-# with a tar on stdin (lock.txt + the bundle wheel) for MODE=build. Every value arrives as an argument;
-# nothing is spliced into this text. Needs bash, python3 and uv only (no venv exists yet); uv is found on
-# PATH, as `python3 -m uv`, or installed with `python3 -m pip install --user uv`.
-# Output: JSON event lines on stdout (progress, log, result | error), the agent protocol's shape.
-# Any failing step removes the half-built venv and leaves `current` as it was.
+#   PYTHON KEEP FORCE OFFLINE UV_CACHE_DIR WHEEL WHEEL_SHA256 UV_BIN UV_VERSION UV_SHA256 TMUX
+#   [uv pip sync options...]
+# with a tar on stdin for MODE=build: lock.txt, the bundle wheel, wheels.sha256 (`sha256  file` lines: the
+# wheels the workstation brings, in sha256sum's format), and, inline when the workstation does not know
+# the target holds them, `uv` (its own uv binary) and wheels/<file>. Every value arrives as an argument;
+# nothing is spliced into this text. Needs bash and coreutils; no python3 and no uv beforehand:
+# - uv: UV_BIN when given (a local target: the workstation's own), else <workdir>/bin/uv installed from
+#   the payload (sha256-checked), else a uv on PATH of exactly UV_VERSION; none of them: a NeedFiles error
+#   that makes the workstation send it (still one command per attempt).
+# - wheels: kept beside the uv cache in dflashctl-wheels/ (a stable path: uv caches a local wheel by its
+#   path), each recorded with its sha256 once checked; one that is missing or differs: NeedFiles.
+# - Python: a system python matching PYTHON (the container's python3), else uv's managed Python (a
+#   download; not with --offline), else one error naming both versions.
+# - TMUX=1 (containers): tmux is installed with apt-get when missing (root only); a failure is a warning.
+# Output: JSON event lines on stdout (progress, log, warning, need, result | error), the agent protocol's
+# shape. Any failing step removes the half-built venv and leaves `current` as it was.
 set -u
 set -o pipefail
 mode=$1 workdir=$2 lock_hash=$3 bundle_hash=$4 py_req=$5 keep=$6 force=$7 offline=$8 cache=$9
-wheel=${10} wheel_sha=${11}
-shift 11
+wheel=${10} wheel_sha=${11} uv_bin=${12} uv_want=${13} uv_sha=${14} want_tmux=${15}
+shift 15
 sync_opts=("$@")
 STAMP=dflashctl-stamp
 venvs="$workdir/venvs"
@@ -78,9 +88,40 @@ fp_json() {
 }
 result() { printf '{"event":"result","data":{%s,"timings":{%s}}}\n' "$1" "$timings"; exit 0; }
 
+warning() {
+    local msg; jstr "$2"; msg=$REPLY
+    printf '{"event":"warning","type":"%s","message":%s}\n' "$1" "$msg"
+}
+sha_of() { local h; h=$(sha256sum <"$1" 2>/dev/null) || return 1; REPLY=${h%% *}; }
+# tmux: every run lives in a tmux session; Debian's container template has none. Installed as root with
+# apt-get (an update only when the package lists lack it); otherwise a warning names what is missing.
+ensure_tmux() {
+    tmux_state=present
+    command -v tmux >/dev/null 2>&1 && return 0
+    local why
+    if [ "$(id -u)" != 0 ]; then why="not root"
+    elif ! command -v apt-get >/dev/null 2>&1; then why="no apt-get"
+    else
+        export DEBIAN_FRONTEND=noninteractive
+        progress tmux "tmux is not installed: apt-get install -y tmux"
+        if ! apt-get install -y -q --no-install-recommends tmux 2>&1 | stream apt && [ "$offline" != 1 ]; then
+            progress tmux "apt-get update (the package lists lack tmux)"
+            apt-get update -q 2>&1 | stream apt && apt-get install -y -q --no-install-recommends tmux 2>&1 | stream apt
+        fi
+        tmux_state=installed
+        command -v tmux >/dev/null 2>&1 && { lap tmux; return 0; }
+        why="apt-get install tmux failed"
+        [ "$offline" = 1 ] && why+=" (--offline: no apt-get update)"
+    fi
+    tmux_state=missing
+    warning TmuxMissing "tmux is not installed in the target ($why); launch needs it"
+}
+
 mkdir -p -- "$venvs" 2>/dev/null || { steplog=""; step=workdir; fail WorkdirError "cannot create $venvs" "check the target's workdir and its permissions"; }
 cd -- "$workdir" || fail WorkdirError "cannot enter $workdir" "check the target's workdir"
 workdir=$PWD venvs="$PWD/venvs" cur="$PWD/venvs/current"
+tmux_state=unchecked
+if [ "$mode" = build ] && [ "$want_tmux" = 1 ]; then step=tmux; ensure_tmux; fi
 
 # --- no-op fast path: current already built from this lock and this bundle (one stat, one read) --------
 if [ "$mode" = build ] && [ "$force" != 1 ] && [ -x "$cur/bin/python" ] && [ -f "$cur/$STAMP" ]; then
@@ -88,7 +129,7 @@ if [ "$mode" = build ] && [ "$force" != 1 ] && [ -x "$cur/bin/python" ] && [ -f 
     if [ "$s_lock" = "$lock_hash" ] && [ "$s_bundle" = "$bundle_hash" ] && [ "$s_py" = "$py_req" ]; then
         cat >/dev/null  # the payload is not needed
         link_target current; now=$REPLY; fp_json "$now"; fp=$REPLY; lap noop
-        jstr "$now"; result "\"action\":\"noop\",\"venv\":$REPLY,\"lock_hash\":\"$lock_hash\",\"bundle_hash\":\"$bundle_hash\",\"fingerprint\":$fp"
+        jstr "$now"; result "\"action\":\"noop\",\"venv\":$REPLY,\"lock_hash\":\"$lock_hash\",\"bundle_hash\":\"$bundle_hash\",\"tmux\":\"$tmux_state\",\"fingerprint\":$fp"
     fi
 fi
 
@@ -115,52 +156,105 @@ if [ "$mode" = rollback ]; then
     result "\"action\":\"rollback\",\"venv\":$p,\"previous\":$REPLY,\"lock_hash\":\"$p_lock\",\"bundle_hash\":\"$p_bundle\",\"fingerprint\":$fp"
 fi
 
-# --- uv --------------------------------------------------------------------------------------------------
-step=uv
+# --- stage: the payload from stdin ----------------------------------------------------------------------
+step=stage
 steplog=$(mktemp "$venvs/.rebuild.XXXXXX.log") || fail WorkdirError "cannot write in $venvs" "check its permissions"
-uv_installed=false
-find_uv() {
-    if command -v uv >/dev/null 2>&1; then UV=(uv); return 0; fi
-    if [ -x "$HOME/.local/bin/uv" ]; then UV=("$HOME/.local/bin/uv"); return 0; fi
-    if command -v python3 >/dev/null 2>&1 && python3 -m uv --version >/dev/null 2>&1; then UV=(python3 -m uv); return 0; fi
-    return 1
-}
-if ! find_uv; then
-    command -v python3 >/dev/null 2>&1 || fail PythonMissing "no python3 on PATH ($PATH) in $workdir's machine" "install python3 (apt-get install -y python3)"
-    [ "$offline" = 1 ] && fail UvMissing "uv is not installed and --offline forbids installing it" "install uv first (python3 -m pip install --user uv), or run without --offline"
-    progress uv "uv not found: installing it with python3 -m pip install --user uv"
-    python3 -m pip install --user --disable-pip-version-check --no-input uv 2>&1 | stream pip
-    find_uv || fail UvMissing "uv is not installed and python3 -m pip install --user uv did not install it" \
-        "install uv in the target: python3 -m pip install --user uv (add --break-system-packages on Debian/Ubuntu), pipx install uv, or copy the static uv binary from https://github.com/astral-sh/uv/releases into /usr/local/bin"
-    uv_installed=true
+stage=$(mktemp -d "$venvs/.stage.XXXXXX") || fail WorkdirError "cannot write in $venvs" "check its permissions"
+tar -xf - -C "$stage" 2>>"$steplog" || fail PayloadError "could not unpack the lock and bundle sent on stdin" "run it again; check free disk space in $workdir"
+[ -f "$stage/lock.txt" ] && [ -f "$stage/$wheel" ] || fail PayloadError "the payload lacks lock.txt or $wheel" "run it again"
+# The bundle joins the lock in ONE exact sync (hash-pinned like every other line).
+{ cat "$stage/lock.txt"; printf '\n%s --hash=sha256:%s\n' "$stage/$wheel" "$wheel_sha"; } >"$stage/requirements.txt"
+lap stage
+
+# --- uv: the workstation's own binary (given, sent inline, installed before, or the same version) ------
+step=uv
+UV=() uv_pushed=false need_uv=false
+if [ "$uv_bin" != - ]; then
+    UV=("$uv_bin")
+elif [ -f "$stage/uv" ]; then
+    sha_of "$stage/uv"; [ "$REPLY" = "$uv_sha" ] || fail PayloadError "the uv binary sent has sha256 $REPLY, not $uv_sha" "run it again"
+    mkdir -p -- "$workdir/bin" && chmod 755 "$stage/uv" && mv -f -- "$stage/uv" "$workdir/bin/uv" \
+        && printf '%s %s\n' "$uv_sha" "$(stat -c %s "$workdir/bin/uv")" >"$workdir/bin/.uv.sha256" \
+        || fail WorkdirError "cannot install uv into $workdir/bin" "check free disk space and permissions in $workdir"
+    UV=("$workdir/bin/uv") uv_pushed=true
+elif [ -x "$workdir/bin/uv" ] && read -r r_sha r_size <"$workdir/bin/.uv.sha256" 2>/dev/null \
+    && [ "$r_sha" = "$uv_sha" ] && [ "$r_size" = "$(stat -c %s "$workdir/bin/uv")" ]; then
+    UV=("$workdir/bin/uv")  # checked when it was installed (the record holds its sha256 and size)
+else
+    for c in "$(command -v uv 2>/dev/null)" "$HOME/.local/bin/uv"; do
+        [ -n "$c" ] && [ -x "$c" ] || continue
+        read -r _ v _ < <("$c" --version 2>/dev/null)
+        if [ "$v" = "$uv_want" ]; then UV=("$c"); break; fi
+    done
+    [ ${#UV[@]} -gt 0 ] || need_uv=true
 fi
-uv_version=$("${UV[@]}" --version 2>/dev/null | head -n 1)
 # The cache lives on the venvs' file system, so installs are hardlinks, not copies.
 [ -n "$cache" ] || cache="$workdir/uv-cache"
 mkdir -p -- "$cache" || fail WorkdirError "cannot create the uv cache $cache" "fix the venv profile's uv_cache_dir"
 export UV_CACHE_DIR="$cache"
 # Trust the container's CA store (as curl and pip do): a proxy's CA is installed there, not in uv's own roots.
 export UV_NATIVE_TLS="${UV_NATIVE_TLS:-1}"
+# uv's managed Pythons (when the target's own does not match) stay in the workdir.
+export UV_PYTHON_INSTALL_DIR="$workdir/python"
 [ "$offline" = 1 ] && export UV_OFFLINE=1
-progress uv "$uv_version, cache $cache"
+
+# --- wheels the workstation brings: beside the uv cache, at a stable path --------------------------------
+step=wheels
+need_wheels=""
+if [ -s "$stage/wheels.sha256" ]; then
+    store="${cache%/}"; store="${store%/*}/dflashctl-wheels"
+    mkdir -p -- "$store/.sha256" || fail WorkdirError "cannot create $store" "check the uv cache's parent directory"
+    while read -r sha file; do
+        [ -n "$file" ] || continue
+        case $file in */* | .*) fail PayloadError "bad wheel file name $file in the payload" "run it again" ;; esac
+        have=""; [ -f "$store/$file" ] && read -r have <"$store/.sha256/$file" 2>/dev/null
+        if [ "$have" = "$sha" ]; then
+            rm -f -- "$stage/wheels/$file"  # kept as it is: a rewritten file would make uv unpack it again
+        elif [ -f "$stage/wheels/$file" ]; then
+            sha_of "$stage/wheels/$file"; [ "$REPLY" = "$sha" ] || fail PayloadError "wheel $file arrived with sha256 $REPLY, not $sha" "run it again"
+            mv -f -- "$stage/wheels/$file" "$store/$file" && printf '%s\n' "$sha" >"$store/.sha256/$file" \
+                || fail WorkdirError "cannot write $store/$file" "check free disk space"
+        else
+            jstr "$file"; need_wheels+="${need_wheels:+,}$REPLY"
+        fi
+    done <"$stage/wheels.sha256"
+    sync_opts+=(--find-links "$store")
+fi
+if [ "$need_uv" = true ] || [ -n "$need_wheels" ]; then
+    # The workstation answers this by sending exactly these, inline, in one more command.
+    printf '{"event":"need","uv":%s,"wheels":[%s]}\n' "$need_uv" "$need_wheels"
+    fail NeedFiles "the target lacks files the workstation believed it held (uv: $need_uv, wheels: [$need_wheels])" "run it again"
+fi
+uv_version=$("${UV[@]}" --version 2>/dev/null | head -n 1)
+if [ "$uv_pushed" = true ]; then progress uv "$uv_version (the workstation's, installed as $workdir/bin/uv), cache $cache"
+else progress uv "$uv_version at ${UV[0]}, cache $cache"; fi
 lap uv
 
-# --- stage: the lock and the bundle wheel from stdin ----------------------------------------------------
-step=stage
-stage=$(mktemp -d "$venvs/.stage.XXXXXX") || fail WorkdirError "cannot write in $venvs" "check its permissions"
-tar -xf - -C "$stage" 2>>"$steplog" || fail PayloadError "could not unpack the lock and bundle sent on stdin" "run it again; check free disk space in $workdir"
-[ -f "$stage/lock.txt" ] && [ -f "$stage/$wheel" ] || fail PayloadError "the payload lacks lock.txt or $wheel" "run it again"
-# The bundle joins the lock in ONE exact sync (hash-pinned like every other line).
-{ cat "$stage/lock.txt"; printf '\n%s --hash=sha256:%s\n' "$stage/$wheel" "$wheel_sha"; } >"$stage/requirements.txt"
-
-# --- a new venv ------------------------------------------------------------------------------------------
+# --- a new venv: the target's own Python if it matches, else uv's managed one ---------------------------
 step=venv
 usec; ms=$(((REPLY / 1000) % 1000)); ms=00$ms
 name="$lock_hash-$(date -u +%Y%m%dT%H%M%S).${ms: -3}Z"
 new="$venvs/$name"
 [ -e "$new" ] && { name="$name-$$"; new="$venvs/$name"; }
+pref=(--python-preference only-system)
+if ! "${UV[@]}" python find --python-preference only-system --no-python-downloads "$py_req" >/dev/null 2>>"$steplog"; then
+    own=$(python3 --version 2>/dev/null); own=${own#Python }; own=${own:-none}
+    pref=(--python-preference only-managed)
+    if "${UV[@]}" python find --python-preference only-managed --no-python-downloads "$py_req" >/dev/null 2>&1; then
+        progress venv "python3 here is $own, the profile asks for $py_req: using uv's Python $py_req in $UV_PYTHON_INSTALL_DIR"
+    elif [ "$offline" = 1 ]; then
+        fail PythonMismatch "the venv profile asks for Python $py_req, but this target's python3 is $own and --offline forbids downloading Python $py_req" \
+            "set the venv profile's python to \"${own%.*}\" (what the target has), or run once without --offline so uv downloads Python $py_req into $UV_PYTHON_INSTALL_DIR"
+    else
+        progress venv "python3 here is $own, the profile asks for $py_req: uv python install $py_req"
+        : >"$steplog"
+        "${UV[@]}" python install "$py_req" 2>&1 | stream uv || fail PythonMismatch \
+            "the venv profile asks for Python $py_req, but this target's python3 is $own and uv could not download Python $py_req" \
+            "set the venv profile's python to \"${own%.*}\" (what the target has), or let the target reach uv's Python downloads once"
+    fi
+fi
 progress venv "creating $new (python $py_req)"
-"${UV[@]}" venv --no-project --python "$py_req" "$new" 2>&1 | stream uv \
+"${UV[@]}" venv --no-project "${pref[@]}" --no-python-downloads --python "$py_req" "$new" 2>&1 | stream uv \
     || fail VenvFailed "uv venv could not create a python $py_req venv in $new" "install python $py_req in the target, or set the venv profile's python to one it has"
 lap venv
 
@@ -187,13 +281,13 @@ progress sync "uv pip sync of the lock ($lock_hash) and bundle $bundle_hash"
 "${UV[@]}" pip freeze --python "$new/bin/python" >"$new/.uv-freeze.txt" 2>>"$steplog" || : >"$new/.uv-freeze.txt"
 lap sync
 
-# --- verify: import everything, check the bundle's imports, write the fingerprint ---------------------
+# --- verify: import what is new, check the bundle's imports, write the fingerprint ----------------------
 step=verify
 : >"$steplog"
-progress verify "importing every top-level module of the lock and the bundle"
+progress verify "importing the top-level modules of the lock and the bundle (wheels verified before are skipped)"
 PYTHONUNBUFFERED=1 "$new/bin/python" -I -m orchestrator.agent.venvinfo verify --venv "$new" --lock-hash "$lock_hash" \
     --bundle-hash "$bundle_hash" --python-request "$py_req" --freeze "$new/.uv-freeze.txt" --uv-version "$uv_version" \
-    2>>"$steplog"
+    --record "$venvs/.verified-wheels.json" 2>>"$steplog"
 rc=$?
 [ "$rc" = 3 ] && exit 1  # the verifier already reported which module failed
 [ "$rc" = 0 ] || fail VerifyCrashed "the verify step died with exit code $rc" "see the last module it imported (above) and the output below"
@@ -241,4 +335,4 @@ lap prune
 
 usec; total=$(((REPLY - t_start) / 1000))
 jstr "$name"; n_=$REPLY; jstr "$old"; o_=$REPLY; jstr "$new"; p_=$REPLY; jstr "$uv_version"; u_=$REPLY
-result "\"action\":\"built\",\"venv\":$n_,\"path\":$p_,\"previous\":$o_,\"lock_hash\":\"$lock_hash\",\"bundle_hash\":\"$bundle_hash\",\"uv\":$u_,\"uv_installed\":$uv_installed,\"pruned\":[$pruned],\"total_ms\":$total"
+result "\"action\":\"built\",\"venv\":$n_,\"path\":$p_,\"previous\":$o_,\"lock_hash\":\"$lock_hash\",\"bundle_hash\":\"$bundle_hash\",\"uv\":$u_,\"uv_pushed\":$uv_pushed,\"tmux\":\"$tmux_state\",\"pruned\":[$pruned],\"total_ms\":$total"

@@ -39,6 +39,12 @@ GPU_MEM_TOTAL = 81559
 DRIVER = "570.133.20"
 DRIVER_CUDA = "12.8"  # the newest CUDA the R570 driver runs, as its nvidia-smi prints it
 SESSION_PATH_TAIL = "/usr/sbin:/usr/bin:/sbin:/bin"
+# Images of stock containers (own Debian 12 root file system; see rootfs.py): as the template ships, and
+# with tmux installed (for tests of launching rather than of installing tmux).
+STOCK = "debian-12"
+STOCK_TMUX = "debian-12+tmux"
+IMAGES = (STOCK, STOCK_TMUX)
+STOCK_PYTHON = "/usr/bin/python3"  # the image's interpreter, for the stand-ins' shebangs inside
 
 
 def _python() -> str:
@@ -66,6 +72,17 @@ def _die_with_parent() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _discard(path: Path) -> None:
+    """Remove a directory without waiting: renamed away at once (the name is free), deleted in the background
+    (a workdir with a few torch venvs is tens of thousands of unlinks). Leftovers go with the next call."""
+    if path.exists():
+        os.replace(path, path.parent / f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    trash = [str(p) for p in path.parent.glob(".trash-*")]
+    if trash:
+        subprocess.Popen(["rm", "-rf", "--", *trash], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def cleanup_stale(parent: Path) -> list[Path]:
@@ -128,14 +145,42 @@ def sshd_config(base: Path, port: int) -> str:
 
 
 class FakeContainer:
-    """One container of the fake host. `workdir` is usable as a ContainerTarget workdir (same path inside
-    and outside: the container shares the host's file system except /tmp and /usr/local/sbin)."""
+    """One container of the fake host. `workdir` is usable as a ContainerTarget workdir, the same path inside
+    and outside: `<ct>/work` for a shared-root container (it sees the host's file system except /tmp and
+    /usr/local/sbin); for a stock one, a directory of the host storage that is mounted into it at the same
+    path (its only view of the host)."""
 
     def __init__(self, host: "FakePVE", ctid: int):
         self.host = host
         self.ctid = ctid
         self.dir = host.base / "ct" / str(ctid)
-        self.workdir = str(self.dir / "work")
+
+    def _rootfs(self) -> dict | None:
+        try:
+            return json.loads((self.dir / "rootfs.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    @property
+    def image(self) -> str | None:
+        """STOCK / STOCK_TMUX for a container with its own root file system; None for a shared root."""
+        spec = self._rootfs()
+        return spec["image"] if spec else None
+
+    @property
+    def workdir(self) -> str:
+        spec = self._rootfs()
+        return spec["workdir"] if spec else str(self.dir / "work")
+
+    def host_path(self, path: str) -> Path:
+        """Where the host reaches `path` of the running container's own file system (through its init's
+        root); for a shared-root container, `path` itself."""
+        if self.image is None:
+            return Path(path)
+        pid = self.pid
+        if pid is None:
+            raise RuntimeError(f"CT {self.ctid} is not running")
+        return Path(f"/proc/{pid}/root") / path.lstrip("/")
 
     @property
     def running(self) -> bool:
@@ -329,20 +374,55 @@ class FakePVE:
                 FakeContainer(self, int(d.name)).stop()
         self._stop_sshd()
         if remove:
+            for wd in self._stock_workdirs():
+                _discard(wd)
             shutil.rmtree(self.base, ignore_errors=True)
         elif self.base.exists():
             (self.base / "keep").touch()
 
     # ----------------------------------------------------------------------------------- containers
 
-    def create_container(self, ctid: int, gpus: int = 8, running: bool = True, hostname: str | None = None) -> FakeContainer:
-        """Create (or re-create, fresh) container `ctid` with `gpus` stand-in GPUs, all at 0 MiB used."""
+    def _stock_workdirs(self) -> list[Path]:
+        from . import rootfs  # imported late: `python -m fakehost.rootfs` must not find it imported already
+
+        storage = rootfs.cache_root() / "storage" / "work"
+        return list(storage.glob(f"{self.base.name}-*")) if storage.is_dir() else []
+
+    def storage(self) -> Path:
+        """The host storage mounted into every stock container at the same path (their workdirs live in
+        `work/`; tests may keep a shared uv cache there, as a PVE admin might bind-mount a cache)."""
+        from . import rootfs
+
+        return rootfs.storage_dir()
+
+    def create_container(self, ctid: int, gpus: int = 8, running: bool = True, hostname: str | None = None,
+                         image: str | None = None) -> FakeContainer:
+        """Create (or re-create, fresh) container `ctid` with `gpus` stand-in GPUs, all at 0 MiB used.
+
+        Args:
+            image: None: the host's file system shared (fast; for tests of pct, ssh, the agent protocol).
+                STOCK: its own Debian 12 root file system (python3 under PEP 668; no pip, uv or tmux), built
+                once and cached (rootfs.py). STOCK_TMUX: the same with tmux installed.
+        """
+        if image is not None and image not in IMAGES:
+            raise ValueError(f"unknown image {image!r}; use one of {IMAGES}")
         ct = FakeContainer(self, ctid)
         self.remove_container(ctid)
         for sub in ("tmp", "sbin", "work"):
             (ct.dir / sub).mkdir(parents=True, exist_ok=True)
         (ct.dir / "tmp").chmod(0o1777)
         ct.set_kernel_module(DRIVER)
+        if image is not None:
+            from . import rootfs
+
+            built = rootfs.ensure_image()
+            storage = self.storage()
+            workdir = storage / "work" / f"{self.base.name}-{ctid}"
+            _discard(workdir)
+            workdir.mkdir(parents=True)
+            spec = {"image": image, "lower": built.lowerdirs(tmux=image == STOCK_TMUX), "workdir": str(workdir),
+                    "mounts": [[str(storage), str(storage)]]}
+            (ct.dir / "rootfs.json").write_text(json.dumps(spec, indent=1) + "\n")
         state = {
             "driver_version": DRIVER,
             "cuda_version": DRIVER_CUDA,
@@ -357,7 +437,7 @@ class FakePVE:
         }
         ct._write_gpu_state(state)
         if gpus > 0:
-            _install(HERE / "nvidia_smi.py", ct.dir / "sbin" / "nvidia-smi", _python())
+            _install(HERE / "nvidia_smi.py", ct.dir / "sbin" / "nvidia-smi", STOCK_PYTHON if image else _python())
         lines = [
             "arch: amd64",
             "cores: 16",
@@ -372,6 +452,8 @@ class FakePVE:
         if gpus:
             devs += ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
         lines += [f"dev{i}: {path}" for i, path in enumerate(devs)]
+        if image is not None:
+            lines.append(f"mp0: {self.storage()},mp={self.storage()}")
         conf = pct_impl.conf_path(self.base, ctid)
         tmp = conf.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
@@ -384,6 +466,8 @@ class FakePVE:
         """Stop and delete container `ctid` (its config too): pct then says the config does not exist."""
         ct = FakeContainer(self, ctid)
         ct.stop()
+        if ct.image is not None:
+            _discard(Path(ct.workdir))
         pct_impl.conf_path(self.base, ctid).unlink(missing_ok=True)
         shutil.rmtree(ct.dir, ignore_errors=True)
 

@@ -177,7 +177,9 @@ def exec_env(keep_env: bool) -> dict[str, str]:
 
 
 def nsenter_argv(pid: int, argv: list[str]) -> list[str]:
-    return ["nsenter", "-t", str(pid), "-m", "-p", "-u", "--wd=/", "--", *argv]
+    """Join the container's namespaces with its init's root and working directory (both its "/"; a path
+    given to --root/--wd would be opened in the host's mount namespace, outside a stock container's root)."""
+    return ["nsenter", "-t", str(pid), "-m", "-p", "-u", "-r", "-w", "--", *argv]
 
 
 def run_in(base: Path, ctid: int, argv: list[str], keep_env: bool) -> int:

@@ -1,7 +1,10 @@
 """The fake Proxmox host behaves like the real parts it stands in for (reference/remote-stack.md §1)."""
 
+import json
 import os
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -240,3 +243,69 @@ def test_nvidia_smi_reports_driver_and_cuda_and_fails_on_a_kernel_module_mismatc
         ct.set_driver("570.133.20", "12.8")
         ct.set_kernel_module("570.133.20")
     assert host(*smi).exit_code == 0
+
+
+# ------------------------------------------------------------------------------- stock containers
+
+
+def test_a_stock_container_is_debian_12_as_the_template_ships_and_sees_nothing_of_the_host(host, fake_pve):
+    from fakehost import STOCK, STOCK_TMUX
+
+    ct = fake_pve.create_container(223, gpus=2, image=STOCK)
+    try:
+        def inside(*argv):
+            return host("pct", "exec", "223", "--keep-env", "0", "--", *argv)
+
+        assert 'VERSION_CODENAME=bookworm' in inside("cat", "/etc/os-release").text()
+        assert inside("hostname").text() == "ct223\n"
+        # Debian's python3 under PEP 668, without pip, uv or tmux.
+        assert inside("python3", "-c", "import sys; print(sys.executable)").text() == "/usr/bin/python3\n"
+        assert inside("test", "-f", "/usr/lib/python3.11/EXTERNALLY-MANAGED").exit_code == 0
+        assert b"No module named pip" in inside("python3", "-m", "pip", "install", "--user", "uv").stderr
+        assert inside("sh", "-c", "command -v uv || command -v tmux || command -v pip3").exit_code == 127
+        # Nothing of the host (the workstation here) by path: not its wheels, not this checkout, not its uv.
+        here = str(Path(__file__).resolve())
+        for path in ("/opt/wheels", here, os.path.realpath(shutil.which("uv")), str(fake_pve.base)):
+            assert inside("test", "-e", path).exit_code == 1, path
+        # The stand-in nvidia-smi and the workdir (one mount point of the host's storage, same path) are there.
+        assert inside("nvidia-smi", "-L").text().startswith("GPU 0: ")
+        Path(ct.workdir, "probe").write_text("from the host")
+        assert inside("cat", f"{ct.workdir}/probe").text() == "from the host"
+        assert f"mp0: {fake_pve.storage()},mp={fake_pve.storage()}" in host("pct", "config", "223").text()
+        # Writes go to the container's own layer: the cached image stays as built.
+        assert inside("sh", "-c", "echo x > /usr/local/bin/mine").exit_code == 0
+        assert ct.host_path("/usr/local/bin/mine").read_text() == "x\n"
+        assert not any(Path(d, "usr/local/bin/mine").exists() for d in json.loads((ct.dir / "rootfs.json").read_text())["lower"])
+
+        with_tmux = fake_pve.create_container(224, gpus=0, image=STOCK_TMUX)
+        assert with_tmux.exec(["tmux", "-V"]).stdout.startswith(b"tmux 3.3")
+        assert with_tmux.exec(["sh", "-c", "command -v uv"]).returncode == 127
+    finally:
+        fake_pve.remove_container(223)
+        fake_pve.remove_container(224)
+
+
+def test_the_image_is_built_once_atomically_and_reused(tmp_path, monkeypatch):
+    from fakehost import rootfs
+
+    built: list[Path] = []
+
+    def fake_build(tmp: Path, log) -> None:  # stands in for debootstrap (minutes): the caching is under test
+        built.append(tmp)
+        (tmp / "root" / "usr/bin").mkdir(parents=True)
+        (tmp / "tmux").mkdir()
+        if len(built) == 1:
+            raise RuntimeError("mirror unreachable")
+
+    monkeypatch.setattr(rootfs, "_build", fake_build)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    key = rootfs.recipe_key()
+    stale = tmp_path / "rootfs" / f".build-debian-12-{key}-1"
+    (stale / "root").mkdir(parents=True)  # an interrupted build (no built.json): never reused
+    with pytest.raises(RuntimeError, match="mirror unreachable"):
+        rootfs.ensure_image(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "rootfs").iterdir()) == [".lock"]  # nothing half-built left
+    image = rootfs.ensure_image(tmp_path)
+    assert image.path == tmp_path / "rootfs" / f"debian-12-{key}" and image.built()["seconds"] >= 0
+    assert rootfs.ensure_image(tmp_path).path == image.path and len(built) == 2  # reused, not rebuilt
+    assert image.lowerdirs(tmux=True) == [str(image.tmux), str(image.root)]

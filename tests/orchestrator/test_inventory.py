@@ -309,3 +309,21 @@ def test_non_text_names_and_non_mapping_top_level():
         parse_inventory("- a\n- b\n")
     with pytest.raises(InventoryError, match=r"inventory.yaml:1: targets: Input should be a valid dictionary"):
         parse_inventory("targets: [1, 2]\n")
+
+
+def test_system_profile_and_the_workstation_interpreter_refused_on_containers():
+    base = ("hosts:\n  pve: {ssh: pve.lan}\n"
+            "targets:\n  ct: {kind: container, host: pve, ctid: 200, venv: %s}\n"
+            "venvs:\n  sys: {kind: system}\n  cuda: {kind: uv, wheelhouse: [~/wheels]}\n")
+    inv = parse_inventory(base % "sys")
+    assert inv.venv("sys").kind == "system" and inv.venv("cuda").wheelhouse == ["~/wheels"]
+    with pytest.raises(InventoryError) as info:
+        parse_inventory(base % "workstation")
+    assert "inventory.yaml:4: targets.ct.venv: venv profile 'workstation' is the workstation's own interpreter" in str(info.value)
+    assert "`kind: system`" in str(info.value)
+    exp = base % "cuda" + "experiments:\n  c: {kind: command, target: ct, venv: workstation, command: [python3, -V]}\n"
+    with pytest.raises(InventoryError, match=r"experiments\.c\.venv: venv profile 'workstation'.*kind: system"):
+        parse_inventory(exp)
+    assert parse_inventory(exp.replace("venv: workstation", "venv: sys")).experiment("c").venv == "sys"
+    shipped = load_inventory(REPO / "inventory.yaml")
+    assert shipped.venv("system").kind == "system"

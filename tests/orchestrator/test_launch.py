@@ -20,9 +20,11 @@ from orchestrator.ops.launch import LaunchSpec, launch, make_run_id
 from orchestrator.ops.status import status
 from orchestrator.records import load_records
 from orchestrator.target import ContainerTarget
+from fakehost import STOCK_TMUX
 
 # A command that stops cleanly on SIGINT (like a trainer saving a checkpoint), else runs for a minute.
 SLEEPER = [sys.executable, "-c", "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('bye', flush=True)\n"]
+CT_SLEEPER = ["python3", *SLEEPER[1:]]  # in a stock container: its own python3 (the workstation's is not there)
 HOSTILE_TAGS = ["../x", "a;b", "$(id)", "has space", "a/b", "", "..", "x" * 65, "`id`", "-rf"]
 
 
@@ -308,12 +310,17 @@ def _embedded() -> str:
 # ------------------------------------------------------------------------------------- fake Proxmox host
 
 
-def make_ct(fake_pve, ctid: int, lock_hash: str = "L1", gpus: int = 8):
-    """A container with a 'venv' (the test interpreter, which has libtmux) fingerprinted as lock_hash."""
-    ct = fake_pve.create_container(ctid, gpus=gpus)
+def make_ct(fake_pve, ctid: int, lock_hash: str = "L1", gpus: int = 8, venv: Path | None = None):
+    """A stock container (Debian 12, tmux installed) with a 'venv': the container's own python3 (the agent
+    needs only the standard library) fingerprinted as lock_hash, or `venv`, a real one (stock_cpu_venv)."""
+    ct = fake_pve.create_container(ctid, gpus=gpus, image=STOCK_TMUX)
+    (Path(ct.workdir) / "venvs").mkdir()
+    if venv is not None:
+        (Path(ct.workdir) / "venvs" / "current").symlink_to(venv)
+        return ct
     venv = Path(ct.workdir) / "venvs" / f"{lock_hash}-0"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "bin" / "python").symlink_to("/usr/bin/python3")
     (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock_hash, "packages": {}}))
     (Path(ct.workdir) / "venvs" / "current").symlink_to(venv.name)
     return ct
@@ -458,7 +465,7 @@ def test_container_concurrent_launches_one_wins_and_replace_waits_for_gpus(fake_
             t = ct_target(fake_pve, ct)
             barrier.wait()
             try:
-                results.append(launch(t, ct_spec("conc", SLEEPER, tag=tag, gpus=[1])))
+                results.append(launch(t, ct_spec("conc", CT_SLEEPER, tag=tag, gpus=[1])))
             except PreflightError as exc:
                 errors.append(exc)
             finally:
@@ -486,7 +493,7 @@ def test_container_concurrent_launches_one_wins_and_replace_waits_for_gpus(fake_
         releaser.start()
         events: list[dict] = []
         t = ct_target(fake_pve, ct)
-        new = launch(t, ct_spec("conc", SLEEPER, tag="c", gpus=[1]), replace=True, grace_s=5, on_event=events.append)
+        new = launch(t, ct_spec("conc", CT_SLEEPER, tag="c", gpus=[1]), replace=True, grace_s=5, on_event=events.append)
         t.close()
         releaser.join(60)
         assert new.replaced == old.run_id
@@ -597,7 +604,7 @@ def test_resume_of_a_command_run_passes_the_old_run_dir(tmp_path, local_target):
     assert plan.plan["env"]["DFLASHCTL_RESUME_DIR"] == first.run_dir and plan.resumed_from == first.run_id
 
 
-def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_gives_each_rank_its_gpu(pve):
+def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_gives_each_rank_its_gpu(pve, stock_cpu_venv):
     """A 1 target + 2 drafter GPU layout on the fake host, in one pct exec: the inventory layout lands in
     config.json, each drafter GPU is warmed in turn, and trainer.launch starts one process per GPU with that
     GPU visible. (This box has no GPU: the warm-ups run with --device cpu on a shape-only target, and the
@@ -606,7 +613,8 @@ def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_g
 
     from trainer.config import parse_config
 
-    ct = make_ct(pve, 306)
+    venv, cpu_lock = stock_cpu_venv
+    ct = make_ct(pve, 306, venv=venv)
     try:
         model = Path(ct.workdir) / "model"
         Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -618,7 +626,7 @@ def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_g
             "layout": {**layout, "timeout_s": 30},
         }).model_dump(mode="json")
         spec = LaunchSpec(experiment="gl", kind="dflash", target="ct", config=config, layout=layout, gpus=[3, 5, 6],
-                          venv_profile={"kind": "uv"}, lock_hash="L1")
+                          venv_profile={"kind": "uv"}, lock_hash=cpu_lock)
         t = ct_target(pve, ct)
         t.agent("echo")
         pve.clear_pct_calls()

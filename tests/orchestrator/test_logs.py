@@ -391,7 +391,9 @@ def sshd_children(main_pid: int) -> list[int]:
 def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
     from orchestrator.target import ContainerTarget
 
-    ct = fake_pve.create_container(231, gpus=0)
+    from fakehost import STOCK_TMUX
+
+    ct = fake_pve.create_container(231, gpus=0, image=STOCK_TMUX)
     n, cuts_wanted = 100_000, 20
     chunks = cuts_wanted + 1
     size = -(-n // chunks)

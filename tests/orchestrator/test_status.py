@@ -128,14 +128,16 @@ def test_killed_wrapper_without_exit_json_is_crashed(tmp_path, local_target):
 
 
 def test_pct_stop_kills_the_session_and_status_says_so(fake_pve):
-    ct = fake_pve.create_container(311, gpus=2)
+    from fakehost import STOCK_TMUX
+
+    ct = fake_pve.create_container(311, gpus=2, image=STOCK_TMUX)
     venv = Path(ct.workdir) / "venvs" / "v"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "bin" / "python").symlink_to("/usr/bin/python3")  # the container's own: the agent needs the stdlib only
     (Path(ct.workdir) / "venvs" / "current").symlink_to("v")
     try:
         t = ContainerTarget(name="ct311", workdir=ct.workdir, transport=fake_pve.pct_transport(311))
-        res = launch(t, spec("pst", STUBBORN, target="ct311"))
+        res = launch(t, spec("pst", ["python3", *STUBBORN[1:]], target="ct311"))
         assert status(t).run(res.run_id)["state"] == "running"
         ct.stop()  # `pct stop`: the container's init and everything in it die, no exit.json is written
         down = status(t)

@@ -5,7 +5,6 @@ for real with inductor on the local target (the second warm-up loads from <workd
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -61,17 +60,18 @@ def test_warmup_refuses_a_command_experiment_before_contacting_the_target():
         warmup(Refuse(), spec)
 
 
-def make_ct(fake_pve, ctid: int):
-    ct = fake_pve.create_container(ctid, gpus=8)
-    venv = Path(ct.workdir) / "venvs" / "L1-0"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    (Path(ct.workdir) / "venvs" / "current").symlink_to(venv.name)
+def make_ct(fake_pve, ctid: int, venv: Path):
+    """A stock container whose current venv is `venv` (stock_cpu_venv: the cpu lock, built in a stock one)."""
+    from fakehost import STOCK
+
+    ct = fake_pve.create_container(ctid, gpus=8, image=STOCK)
+    (Path(ct.workdir) / "venvs").mkdir()
+    (Path(ct.workdir) / "venvs" / "current").symlink_to(venv)
     return ct
 
 
-def test_container_warmup_is_one_pct_exec_one_process_per_drafter_gpu_in_order(pve):
-    ct = make_ct(pve, 311)
+def test_container_warmup_is_one_pct_exec_one_process_per_drafter_gpu_in_order(pve, stock_cpu_venv):
+    ct = make_ct(pve, 311, stock_cpu_venv[0])
     try:
         model = shape_target(Path(ct.workdir) / "model")
         # compile off and device cpu: this box has no GPU; the processes, their order and events are real.

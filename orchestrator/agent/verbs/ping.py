@@ -41,8 +41,11 @@ def _version(argv: list[str], timeout: float = 10.0) -> str | None:
     return text.splitlines()[0] if text else None
 
 
-def find_uv() -> str | None:
-    """uv on PATH, else in the installer's usual directories."""
+def find_uv(workdir: str | None = None) -> str | None:
+    """The uv rebuild-venv installed (<workdir>/bin/uv), else uv on PATH, else in the installer's usual
+    directories."""
+    if workdir and os.access(os.path.join(workdir, "bin", "uv"), os.X_OK):
+        return os.path.join(workdir, "bin", "uv")
     found = shutil.which("uv")
     if found:
         return found
@@ -58,8 +61,8 @@ def _tmux() -> str | None:
     return _version([exe, "-V"]) if exe else None
 
 
-def _uv() -> dict | None:
-    exe = find_uv()
+def _uv(workdir: str | None = None) -> dict | None:
+    exe = find_uv(workdir)
     if exe is None:
         return None
     return {"path": exe, "version": _version([exe, "--version"])}
@@ -113,7 +116,7 @@ def run(request: dict, emit) -> dict:
         f_gpus = pool.submit(query_gpus, float(request.get("gpu_timeout", 30)))
         f_driver = pool.submit(nvdriver.probe, float(request.get("gpu_timeout", 30)))
         f_tmux = pool.submit(_tmux)
-        f_uv = pool.submit(_uv)
+        f_uv = pool.submit(_uv, workdir)
         wd = writable_dir(workdir)
         cache = writable_dir(os.path.join(workdir, "inductor-cache")) if wd["writable"] else {
             "path": os.path.join(workdir, "inductor-cache"), "writable": False, "error": "workdir not writable"}
