@@ -408,6 +408,7 @@ def system_fingerprint() -> dict:
     """The fingerprint of the target's `python3` on PATH (the `system` profile): no lock, no venv dir. The
     agent itself may run in a venv; the run's commands find python3 on PATH, so that one is described."""
     import shutil
+    import subprocess
 
     exe = shutil.which("python3")
     if exe is None:

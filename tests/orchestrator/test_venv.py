@@ -594,3 +594,11 @@ def test_container_rebuild_refuses_a_torch_the_driver_cannot_run_before_download
     finally:
         target.close()
         pve.remove_container(ct.ctid)
+
+
+def test_a_system_profile_fingerprints_the_targets_python3(tmp_path):
+    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "system"})
+    py3 = subprocess.run(["python3", "-c", "import platform, sys; print(platform.python_version(), sys.executable)"],
+                         capture_output=True, text=True).stdout.split()
+    assert fp["kind"] == "system" and [fp["python"], fp["executable"]] == py3 and fp["lock_hash"] is None
+    assert venvinfo.fingerprint_diff(fp, None) == []
