@@ -1,4 +1,5 @@
-"""Workstation run records: one JSON line per launch in `<user state dir>/dflashctl/runs.jsonl`, append-only.
+"""Workstation run records: one JSON line per launch in `<user state dir>/dflashctl/runs.jsonl`, append-only
+(plus one line per later event of a run: its stop, folded into its record on reading).
 
 They answer "what changed since the last good run?" without reaching any target: `runs diff A B` compares
 packages (with versions), config keys (flattened dotted paths), bundle hash and GPU/driver of two records.
@@ -63,22 +64,36 @@ def append_record(record: dict) -> Path:
     return path
 
 
+def record_stopped(run_id: str, stopped: dict) -> Path:
+    """Note that a recorded run was stopped ({by, via, at}): one more line, `{"run_id", "event": "stopped",
+    "stopped"}`, which load_records folds into the run's launch record (the file stays append-only)."""
+    return append_record({"run_id": run_id, "event": "stopped", "stopped": stopped})
+
+
 def load_records(experiment: str | None = None) -> list[dict]:
-    """Every record, oldest first; lines that do not parse (a torn write after a crash) are skipped."""
+    """Every launch record, oldest first, with later event lines of its run folded in (`stopped`); lines
+    that do not parse (a torn write after a crash) are skipped."""
     path = records_path()
     try:
         text = path.read_text()
     except FileNotFoundError:
         return []
-    out = []
+    out: list[dict] = []
+    latest: dict[str, dict] = {}
     for line in text.splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("run_id") and (experiment is None or rec.get("experiment") == experiment):
-            out.append(rec)
-    return out
+        if not isinstance(rec, dict) or not rec.get("run_id"):
+            continue
+        if rec.get("event") == "stopped":
+            if rec["run_id"] in latest:  # a stop of a run launched elsewhere is not ours to list
+                latest[rec["run_id"]]["stopped"] = rec.get("stopped")
+            continue
+        latest[rec["run_id"]] = rec
+        out.append(rec)
+    return [r for r in out if experiment is None or r.get("experiment") == experiment]
 
 
 def find_record(ref: str) -> dict:

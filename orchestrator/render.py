@@ -33,6 +33,19 @@ def text(*parts: str | tuple[str, str]):
     return Text.assemble(*parts)
 
 
+def stopped_text(stopped: Any) -> str | None:
+    """'by u@h (dflashctl stop) at T' from a run's "stopped" record (exit.json), or None."""
+    if not isinstance(stopped, dict):
+        return None
+    return f"by {stopped.get('by')} ({stopped.get('via')}) at {stopped.get('at')}"
+
+
+def run_state(state: str, stopped: Any = None) -> str:
+    """A run's state as shown: 'stopped by u@h (dflashctl stop) at T', else the state itself."""
+    who = stopped_text(stopped) if state == "stopped" else None
+    return f"{state} {who}" if who else state
+
+
 def print_json(data: Any) -> None:
     """Machine output: one JSON document on stdout (no colour, no wrapping)."""
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")

@@ -1,13 +1,16 @@
 """Run directories inside the target, and the launch lock. Standard library only.
 
     <workdir>/runs/<run-id>/  run.json  config.json  train.log  log.mark  metrics.jsonl  exit.json  pid
+                              stop.json (written by a stop, before its first signal)
     <workdir>/locks/<experiment>.lock   held (flock) by the launch of that experiment in progress; its text
                                         names the holder
     <workdir>/locks/gpus.json           the GPU claims (orchestrator.agent.claims)
 
 States: running (no exit.json, and its session lives with a live pane or its command's process group from
-`pid` still exists), succeeded (exit 0), failed (exit != 0), crashed (no exit.json, its session gone or its
-pane dead, and no process of its command left: killed, container stopped).
+`pid` still exists), stopped (ended after `dflashctl stop` or `launch --replace` asked it to: exit.json's
+"stopped", copied from the run's stop.json, says by whom and when; whatever its exit code), succeeded (exit
+0), failed (exit != 0), crashed (no exit.json, its session gone or its pane dead, and no process of its
+command left: killed, container stopped).
 
 This module is the one place that finds run directories, reads their JSON files, checks liveness and decides
 a run's state; status, stop, launch, resume, tail and metrics all use it.
@@ -28,6 +31,7 @@ from orchestrator.agent.protocol import AgentFailure
 
 # How much of metrics.jsonl's end is read for the last tokens/s (lines are short; this is dozens of them).
 _METRICS_TAIL = 64 * 1024
+STOP_NAME = "stop.json"
 
 
 def utc_now() -> str:
@@ -371,13 +375,29 @@ def run_alive(ref: RunRef, sessions: list[dict] | None = None) -> bool | None:
     return alive if alive is not None else pid
 
 
-def state_of(exit_info: dict | None, alive: bool | None) -> str:
-    """running | succeeded | failed | crashed.
+def stopped_by(ref: RunRef, exit_info: dict | None) -> dict | None:
+    """Who stopped the run, how and when ({by, via, at}), or None.
+
+    An ended run: exit.json's "stopped" (its wrapper copied stop.json; a stop.json written after exit.json
+    came too late to stop anything). A run without exit.json: its stop.json (the stop may still be under
+    way, or the wrapper died with the command).
+    """
+    if exit_info is not None:
+        stopped = exit_info.get("stopped")
+        return stopped if isinstance(stopped, dict) else None
+    return read_json(ref.path / STOP_NAME)
+
+
+def state_of(exit_info: dict | None, alive: bool | None, stopped: dict | None = None) -> str:
+    """running | stopped | succeeded | failed | crashed.
 
     Args:
         exit_info: exit.json, or None.
         alive: run_alive(); None (nothing could tell) counts as running: only a run known gone has crashed.
+        stopped: stopped_by(): an ended run that a stop asked to end is "stopped", whatever its exit code.
     """
+    if stopped is not None and (exit_info is not None or alive is False):
+        return "stopped"
     if exit_info is not None:
         return "succeeded" if exit_info.get("exit_code") == 0 else "failed"
     return "crashed" if alive is False else "running"
@@ -391,7 +411,8 @@ def summarize(ref: RunRef, sessions: list[dict], now: float | None = None) -> di
     """
     info = ref.info
     exit_info = read_exit(ref)
-    state = state_of(exit_info, None if exit_info is not None else run_alive(ref, sessions))
+    stopped = stopped_by(ref, exit_info)
+    state = state_of(exit_info, None if exit_info is not None else run_alive(ref, sessions), stopped)
     started = parse_time((exit_info or {}).get("started")) or parse_time(info.get("created"))
     ended = parse_time((exit_info or {}).get("ended"))
     if ended is None and state == "running":
@@ -406,6 +427,7 @@ def summarize(ref: RunRef, sessions: list[dict], now: float | None = None) -> di
         "session": info.get("session"),
         "exit_code": (exit_info or {}).get("exit_code"),
         "signal": (exit_info or {}).get("signal"),
+        "stopped": stopped if state == "stopped" else None,
         "duration_s": round(ended - started, 1) if (started is not None and ended is not None) else None,
         "tokens_per_s": (metrics or {}).get("tokens_per_s"),
         "step": (metrics or {}).get("step"),

@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Container state, GPUs (used/total MiB), tmux sessions and runs with their state."""
         from orchestrator.ops.status import status
-        from orchestrator.render import console, print_json, table, text
+        from orchestrator.render import console, print_json, run_state, table, text
         from orchestrator.target import open_target
 
         inv = _inv()
@@ -114,7 +114,7 @@ def register(app: typer.Typer) -> None:
             out.print(table("sessions", ["session", "run", "pane"],
                             [(s["name"], s.get("run_id"), f"dead ({s.get('dead_status')})" if s["dead"] else "alive")
                              for s in st.sessions]))
-        rows = [(r["run_id"], r["state"], r.get("exit_code"), r.get("signal"), r.get("duration_s"),
+        rows = [(r["run_id"], run_state(r["state"], r.get("stopped")), r.get("exit_code"), r.get("signal"), r.get("duration_s"),
                  None if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}")
                 for r in st.runs]
         out.print(table(f"runs ({len(st.runs)} of {st.total_runs})",
@@ -130,7 +130,7 @@ def register(app: typer.Typer) -> None:
         from orchestrator.errors import RunNotFound
         from orchestrator.ops.stop import stop
         from orchestrator.records import find_record
-        from orchestrator.render import EventPrinter, console
+        from orchestrator.render import EventPrinter, console, run_state
         from orchestrator.target import open_target
 
         inv = _inv()
@@ -146,7 +146,8 @@ def register(app: typer.Typer) -> None:
         finally:
             tgt.close()
         how = "had already ended" if res.already_ended else f"stopped with {', '.join(res.signals)}"
-        console().print(f"run {res.run_id} {how}: {res.state}" + (f" (exit {res.exit.get('exit_code')})" if res.exit else ""))
+        console().print(f"run {res.run_id} {how}: {run_state(res.state, (res.exit or {}).get('stopped'))}"
+                        + (f" (exit code {res.exit.get('exit_code')})" if res.exit else ""), soft_wrap=True)
 
     @app.command("attach")
     def attach_cmd(
@@ -175,15 +176,15 @@ def register(app: typer.Typer) -> None:
         if ctx.invoked_subcommand is not None:
             return
         from orchestrator.ops.runs import list_runs
-        from orchestrator.render import console, print_json, table
+        from orchestrator.render import console, print_json, stopped_text, table
 
         recs = list_runs(experiment)
         if as_json:
             print_json(recs)
             return
-        console().print(table("runs", ["run", "experiment", "target", "created", "bundle"],
-                              [(r["run_id"], r.get("experiment"), r.get("target"), r.get("created"), r.get("bundle_hash"))
-                               for r in recs]))
+        console().print(table("runs", ["run", "experiment", "target", "created", "bundle", "stopped"],
+                              [(r["run_id"], r.get("experiment"), r.get("target"), r.get("created"), r.get("bundle_hash"),
+                                stopped_text(r.get("stopped"))) for r in recs]))
 
     @runs_app.command("diff")
     def runs_diff(

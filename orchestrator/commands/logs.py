@@ -12,7 +12,7 @@ import typer
 EXIT_CODES_HELP = (
     "Exit codes: 0 the run succeeded (or, without --follow, is still running); 1 it failed (or crashed) "
     "with no known signature; 2 it failed or crashed with a known crash signature; 3 the connection was "
-    "lost for good; 4 no such run."
+    "lost for good; 4 no such run; 5 it was stopped (dflashctl stop, launch --replace)."
 )
 
 
@@ -70,10 +70,9 @@ def outcome_line(outcome) -> str:
     detail = f" (exit code {code})" if code is not None else ""
     if outcome.state == "lost":
         detail = f": {outcome.error}"
-    stopped = (outcome.exit or {}).get("stopped") or {}
-    if outcome.state == "stopped" and stopped:
-        detail = f" by {stopped.get('by')} ({stopped.get('via')}) at {stopped.get('at')}" + detail
-    return f"run {outcome.run_id}: {outcome.state}{detail}"
+    from orchestrator.render import run_state
+
+    return f"run {outcome.run_id}: {run_state(outcome.state, (outcome.exit or {}).get('stopped'))}{detail}"
 
 
 def follow_and_print(inv, ref: str | None, *, target: str | None, follow: bool, tail: int | None,

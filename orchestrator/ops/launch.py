@@ -15,6 +15,7 @@ from orchestrator import names
 from orchestrator.agent.driver import PROBLEM_TYPES as DRIVER_PROBLEMS
 from orchestrator.errors import AgentError, PreflightError, UserError
 from orchestrator.inventory import check_name, check_run_ref
+from orchestrator.ops.stop import requested_by
 
 # Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
 REFUSALS = {"GpuBusy", "GpuClaimed", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch",
@@ -237,6 +238,7 @@ def launch(
         "resume": resume,
         "warmup_device": warmup_device,
         "claim_wait_s": claim_wait_s,
+        "requested_by": requested_by(f"dflashctl launch {spec.experiment} --replace"),
     }
     data = agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
                            on_event=on_event, timeout=timeout)
@@ -274,6 +276,10 @@ def launch(
             "resumed_from": result.resumed_from,
         })
         result.record_path = str(path)
+        if result.replaced and isinstance(data.get("replaced_stopped"), dict):
+            from orchestrator.records import record_stopped
+
+            record_stopped(result.replaced, data["replaced_stopped"])
     return result
 
 

@@ -26,6 +26,7 @@ EXIT_FAILED = 1
 EXIT_KNOWN_CRASH = 2
 EXIT_LOST = 3
 EXIT_NO_RUN = 4
+EXIT_STOPPED = 5  # `dflashctl stop` or `launch --replace` ended the run (neither success nor a failure of its own)
 
 # Severities of signatures that name why a run died (others are warnings: a slowdown, a recompile).
 CRASH_SEVERITIES = frozenset({"fatal", "critical", "error", "crash"})
@@ -56,8 +57,8 @@ class Backoff:
 class FollowOutcome:
     """How a follow (or a one-shot look) ended.
 
-    state: succeeded | failed | crashed | running (one-shot look at a live run) | lost (connection gone
-    for good).
+    state: succeeded | stopped (exit["stopped"] says by whom and when) | failed | crashed | running (one-shot
+    look at a live run) | lost (connection gone for good).
     """
 
     run_id: str | None
@@ -81,9 +82,11 @@ class FollowOutcome:
 
     @property
     def exit_code(self) -> int:
-        """0 succeeded (or still running), 1 failed, 2 died with a known crash signature, 3 lost."""
+        """0 succeeded (or still running), 1 failed, 2 died with a known crash signature, 3 lost, 5 stopped."""
         if self.state == "lost":
             return EXIT_LOST
+        if self.state == "stopped":
+            return EXIT_STOPPED
         if self.state in ("succeeded", "running"):
             return EXIT_SUCCEEDED
         return EXIT_KNOWN_CRASH if self.crash_matches else EXIT_FAILED
@@ -576,6 +579,7 @@ def logs(inv, ref: str | None = None, *, target: str | None = None, following: b
         tgt.close()
     _exit_match(matcher, outcome)
     outcome.matches = [explain(matcher, m) for m in outcome.matches]
+    # A stopped run is no news to whoever stopped it: no notification.
     if following and outcome.state in ("succeeded", "failed", "crashed"):
         first = outcome.crash_matches[0] if outcome.crash_matches else None
         kind = "completion" if outcome.state == "succeeded" else "crash"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -10,11 +11,24 @@ from orchestrator.errors import AgentError, RunNotFound
 DEFAULT_GRACE_S = 20.0
 
 
+def requested_by(verb: str = "dflashctl stop") -> dict:
+    """Who stops a run, as its stop.json and exit.json record it: {by: user@workstation, via: the verb}."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no $USER: a container's uid
+        user = f"uid{os.getuid()}"
+    return {"by": f"{user}@{socket.gethostname()}", "via": verb}
+
+
 @dataclass
 class StopResult:
     run_id: str
     state: str
-    """The run's state afterwards: succeeded / failed (it wrote exit.json) or crashed."""
+    """The run's state afterwards: stopped (the stop ended it; exit["stopped"] says by whom and when), or
+    succeeded / failed / crashed when it had already ended."""
     signals: list[str]
     """Signals sent, in order (empty when the run had already ended)."""
     already_ended: bool
@@ -44,7 +58,8 @@ def stop(
     from orchestrator.inventory import check_run_ref
 
     check_run_ref(run_id)
-    request = {"run_id": run_id, "grace_s": grace_s, "gpus": gpus or [], "gpu_idle_mib": gpu_idle_mib}
+    request = {"run_id": run_id, "grace_s": grace_s, "gpus": gpus or [], "gpu_idle_mib": gpu_idle_mib,
+               "requested_by": requested_by()}
     # Worst case: two grace periods, the post-SIGKILL wait, and the GPU release wait.
     timeout = 2 * grace_s + 60 + (150 if gpus else 0)
     try:
@@ -53,6 +68,9 @@ def stop(
         if exc.agent_type == "RunNotFound":
             raise RunNotFound(exc.message, fix=f"dflashctl status --target {target.name}") from None
         raise
+    stopped = (data.get("exit") or {}).get("stopped")
+    if data.get("state") == "stopped" and isinstance(stopped, dict):
+        _record(data["run_id"], stopped)
     return StopResult(
         run_id=data["run_id"],
         state=data.get("state") or "crashed",
@@ -61,3 +79,11 @@ def stop(
         exit=data.get("exit"),
         session=data.get("session"),
     )
+
+
+def _record(run_id: str, stopped: dict) -> None:
+    """Note the stop in the workstation records (`dflashctl runs` shows it); a run launched from another
+    workstation has no record here, and that is fine."""
+    from orchestrator.records import record_stopped
+
+    record_stopped(run_id, stopped)

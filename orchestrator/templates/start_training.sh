@@ -9,9 +9,11 @@
 # RUN_DIR/train.log    stdout+stderr of COMMAND and of this script, appended (also shown in the pane).
 # RUN_DIR/log.mark     the run's mark (orchestrator/ownlines.py): each line of this script's own in train.log
 #                      begins with `[dflashctl MARK] `, so readers never take it for the command's output.
+# RUN_DIR/stop.json    written by `dflashctl stop` (and launch --replace) before its first signal: who and
+#                      when; copied into exit.json as "stopped" (null when nobody stopped the run).
 # RUN_DIR/pid          the process group id of COMMAND (what `dflashctl stop` signals).
-# RUN_DIR/exit.json    {"exit_code", "signal", "started", "ended"}, written when COMMAND ends, on failure
-#                      too, by write-temp-then-rename (its appearance means the log is complete).
+# RUN_DIR/exit.json    {"exit_code", "signal", "started", "ended", "stopped"}, written when COMMAND ends, on
+#                      failure too, by write-temp-then-rename (its appearance means the log is complete).
 set -u
 run_dir=$1
 shift
@@ -35,11 +37,16 @@ write_exit() {
         exec 1>&- 2>&-
         for _ in $(seq 1 100); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
     fi
-    local ended tmp
+    local ended tmp stopped=null
     ended=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+    # stop.json is one JSON object, written whole (temp + rename) by the agent; anything else is ignored.
+    if [ -s "$run_dir/stop.json" ]; then
+        stopped=$(tr -d '\n' < "$run_dir/stop.json")
+        case $stopped in '{'*'}') ;; *) stopped=null ;; esac
+    fi
     tmp="$run_dir/.exit.json.$$"
-    printf '{"exit_code": %d, "signal": %s, "started": "%s", "ended": "%s"}\n' \
-        "$code" "$sig" "$started" "$ended" > "$tmp" && mv -f "$tmp" "$run_dir/exit.json"
+    printf '{"exit_code": %d, "signal": %s, "started": "%s", "ended": "%s", "stopped": %s}\n' \
+        "$code" "$sig" "$started" "$ended" "$stopped" > "$tmp" && mv -f "$tmp" "$run_dir/exit.json"
 }
 trap write_exit EXIT
 

@@ -208,7 +208,8 @@ def test_replace_stops_the_old_run_gracefully_and_launches(tmp_path, local_targe
     assert (ex["exit_code"], ex["signal"]) == (0, None) and "bye" in (Path(old.run_dir) / "train.log").read_text()
     assert any(e.get("step") == "stop" and "SIGINT" in e.get("message", "") for e in events)
     states = {r["run_id"]: r["state"] for r in status(t).runs}
-    assert states == {old.run_id: "succeeded", new.run_id: "running"}
+    assert states == {old.run_id: "stopped", new.run_id: "running"}  # stopped by the replace, exit 0 or not
+    assert ex["stopped"]["via"] == "dflashctl launch rep --replace"
 
 
 def test_dry_run_plans_and_changes_nothing(tmp_path, local_target):

@@ -7,10 +7,12 @@ Request (built by orchestrator/ops/launch.py; names were checked on the workstat
    resume: run id | null (continue that run of this experiment in a new run),
    venv_profile: {...}, lock_hash: str|null, bundle_hash: str|null, cli: str, created: iso,
    replace: bool, grace_s: float, release_timeout_s: float, dry_run: bool, warmup_device: "cuda"|"cpu",
-   claim_wait_s: float (how long to wait for another launch's preflight holding a GPU; default 5)}
+   claim_wait_s: float (how long to wait for another launch's preflight holding a GPU; default 5),
+   requested_by: {by: "user@workstation"} (recorded in the stop.json of a run --replace stops)}
 Events: progress steps lock, session, stop, resume, claim, gpus, venv, rundir, layout, warmup, tmux (each with
 a message).
-Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, resumed_from, dry_run,
+Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, replaced_stopped: its
+         exit.json "stopped" | null, resumed_from, dry_run,
          config (kind dflash: as written to config.json), env_fingerprint, bundle_hash, plan: {...} (dry run)}
 Refusals (AgentFailure types): LockHeld (a launch of this experiment is in its preflight), SessionExists,
 GpuClaimed (a launch in its preflight or a running run holds one of the GPUs: waited for up to claim_wait_s
@@ -316,7 +318,7 @@ def run(request: dict, emit) -> dict:
     emit.progress("lock", f"holding {lock.path}")
     token = None
     try:
-        replaced = _clear_session(request, workdir, session, experiment, replace, threshold, emit)
+        replaced, replaced_stop = _clear_session(request, workdir, session, experiment, replace, threshold, emit)
         # After a --replace stop, so `--replace --resume <the live run>` continues from its final checkpoint.
         src = _resume_source(workdir, request, emit)
         gpus = _run_gpus(request, src, emit)
@@ -334,7 +336,7 @@ def run(request: dict, emit) -> dict:
         if token is not None:
             claims.promote(workdir, token, result["run_id"])  # the run holds its GPUs now, until it ends
             token = None
-        return result
+        return {**result, "replaced_stopped": replaced_stop}
     finally:
         if token is not None:
             claims.release(workdir, token)  # the launch failed: its GPUs are free again
@@ -342,27 +344,33 @@ def run(request: dict, emit) -> dict:
 
 
 def _clear_session(request: dict, workdir: str, session: str, experiment: str, replace: bool, threshold: int,
-                   emit) -> str | None:
+                   emit) -> tuple[str | None, dict | None]:
     """Clear a finished session of this experiment, or with --replace stop its live run and wait for that
-    run's GPUs (refused with SessionExists otherwise). Returns the replaced run id, or None."""
+    run's GPUs (refused with SessionExists otherwise).
+
+    Returns:
+        (the replaced run id, its exit.json "stopped" record: who stopped it and when), or (None, None).
+    """
     old = _preflight_session(session, experiment, replace)
     if old is None:
         emit.progress("session", f"no live session {session}")
-        return None
+        return None, None
     if old.get("dead_only"):
         tmuxctl.kill_session(session)
         emit.progress("session", f"cleared the finished session {session} (run {old.get('run_id')})")
-        return None
-    replaced = old.get("run_id")
+        return None, None
+    replaced, stopped = old.get("run_id"), None
     emit.progress("stop", f"replacing run {replaced} in session {session}")
     if replaced:
-        stopverb.stop_run(workdir, replaced, float(request.get("grace_s", stopverb.DEFAULT_GRACE_S)), emit)
+        by = {"via": f"dflashctl launch {experiment} --replace", **(request.get("requested_by") or {})}
+        res = stopverb.stop_run(workdir, replaced, float(request.get("grace_s", stopverb.DEFAULT_GRACE_S)), emit, by)
+        stopped = (res.get("exit") or {}).get("stopped") if res.get("state") == "stopped" else None
     else:  # a session we did not start (no run id): end it the blunt way
         tmuxctl.kill_session(session)
     if request.get("gpus"):
         stopverb.wait_gpus_idle([int(g) for g in request["gpus"]], threshold,
                                 float(request.get("release_timeout_s", 120)), emit)
-    return replaced
+    return replaced, stopped
 
 
 def _seed_resumed(src: resume.ResumeSource, run_id: str, run_dir: Path, emit) -> None:

@@ -1,8 +1,12 @@
 """`stop`: end a run gracefully (SIGINT, then SIGTERM after a grace period, then SIGKILL) and optionally
 wait until its GPUs are released. Also used by `launch --replace` in the same agent call.
 
-Request: {workdir, run_id, grace_s: 20, gpus: [..], gpu_idle_mib: 1024, release_timeout_s: 120}
+Request: {workdir, run_id, grace_s: 20, gpus: [..], gpu_idle_mib: 1024, release_timeout_s: 120,
+          requested_by: {by: "user@workstation", via: "dflashctl stop"}}
 Result:  {run_id, signals: ["SIGINT", ...], state, exit: {...} | null, already_ended: bool, gpus: [...]}
+
+Before its first signal a stop writes runs/<id>/stop.json ({by, via, at}); start_training.sh copies it into
+exit.json as "stopped", so the run's state is "stopped", not failed (a SIGINT ends most commands with 130).
 
 The signals go to the command's process group (start_training.sh writes its id to runs/<id>/pid), never to
 the wrapper script or its tee: the wrapper must live on to write exit.json and to finish the log.
@@ -30,8 +34,18 @@ def _ended(run_dir, pgid: int | None) -> bool:
     return pgid is not None and not runs.group_alive(pgid)
 
 
-def stop_run(workdir: str, run_id: str, grace_s: float, emit) -> dict:
+def _record_stop(run_dir, requested_by: dict | None) -> None:
+    """stop.json: who asked, through which verb, and when (the wrapper copies it into exit.json)."""
+    who = requested_by or {}
+    runs.write_json(run_dir / runs.STOP_NAME, {"by": str(who.get("by") or "unknown"),
+                                               "via": str(who.get("via") or "dflashctl stop"), "at": runs.utc_now()})
+
+
+def stop_run(workdir: str, run_id: str, grace_s: float, emit, requested_by: dict | None = None) -> dict:
     """Stop one run; see the module docstring. Returns the result dict (without GPU waiting).
+
+    Args:
+        requested_by: {by: user@host, via: the verb}, recorded in stop.json before the first signal.
 
     Raises:
         AgentFailure("RunNotFound"): no such run directory.
@@ -53,6 +67,7 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit) -> dict:
         if pgid is None:
             already = True
     if not already:
+        _record_stop(run_dir, requested_by)
         for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, grace_s), (signal.SIGKILL, _AFTER_KILL_S)):
             if _ended(run_dir, pgid):
                 break
@@ -79,13 +94,15 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit) -> dict:
     if session is not None:
         # The pane is dead now (remain-on-exit kept it); free the name for the next launch.
         tmuxctl.kill_session(session["name"])
-    exit_info = runs.read_json(run_dir / "exit.json")
+    ref = runs.load_ref(run_dir)
+    exit_info = runs.read_exit(ref)
     return {
         "run_id": run_id,
         "signals": signals_sent,
         "already_ended": bool(already),
         "exit": exit_info,
-        "state": runs.state_of(exit_info, False),  # nothing of the run is left by now
+        # nothing of the run is left by now
+        "state": runs.state_of(exit_info, False, runs.stopped_by(ref, exit_info)),
         "session": session["name"] if session else None,
     }
 
@@ -155,7 +172,8 @@ def run(request: dict, emit) -> dict:
     run_id = request.get("run_id")
     if not run_id:
         raise AgentFailure("BadRequest", "stop needs a run_id")
-    result = stop_run(workdir, run_id, float(request.get("grace_s", DEFAULT_GRACE_S)), emit)
+    result = stop_run(workdir, run_id, float(request.get("grace_s", DEFAULT_GRACE_S)), emit,
+                      request.get("requested_by"))
     gpus = [int(g) for g in request.get("gpus") or []]
     if gpus:
         result["gpus"] = wait_gpus_idle(

@@ -18,7 +18,8 @@ Events:
   {"event": "metrics", "offset": start, "next": end, "records": [...], "invalid": n}
   {"event": "heartbeat", "session_alive": bool|null, "log_size": n, "metrics_size": n}
   {"event": "truncated", "file": "train.log"}    the file shrank; streaming restarts at 0
-Result: {"run_id", "state", "exit": exit.json|null, "offsets": {"log": n, "metrics": n},
+Result: {"run_id", "state" (runs.state_of: running | stopped | succeeded | failed | crashed),
+         "exit": exit.json|null, "offsets": {"log": n, "metrics": n},
          "session_alive": bool|null}
 """
 
@@ -29,7 +30,7 @@ import time
 
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.ownlines import RUN_JSON_KEY, valid_mark
-from orchestrator.agent.runs import parse_records, read_exit, resolve_run, run_alive, state_of
+from orchestrator.agent.runs import parse_records, read_exit, resolve_run, run_alive, state_of, stopped_by
 from orchestrator.agent.tailer import DirWatcher, LineCursor, last_good_baseline, tail_offset
 
 # How long to sleep at most with inotify on: changes wake us at once; this only bounds how late a change
@@ -121,7 +122,7 @@ def run(request: dict, emit) -> dict:
             pass
         exit_info = read_exit(ref)
         if exit_info is not None:
-            return finish(state_of(exit_info, alive), exit_info, alive)
+            return finish(state_of(exit_info, alive, stopped_by(ref, exit_info)), exit_info, alive)
         now = time.monotonic()
         if not follow or now - last_check >= heartbeat:
             last_check = now
@@ -129,10 +130,10 @@ def run(request: dict, emit) -> dict:
             if alive is False:
                 exit_info = read_exit(ref)  # the wrapper writes exit.json before its session ends
                 if exit_info is not None:
-                    return finish(state_of(exit_info, alive), exit_info, alive)
+                    return finish(state_of(exit_info, alive, stopped_by(ref, exit_info)), exit_info, alive)
                 # Require two checks in a row: a run being launched has its directory before its session.
                 if gone_once or not follow:
-                    return finish("crashed", None, alive)
+                    return finish(state_of(None, False, stopped_by(ref, None)), None, alive)
                 gone_once = True
             else:
                 gone_once = False

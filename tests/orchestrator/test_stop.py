@@ -1,0 +1,133 @@
+"""A user's stop is recorded and shown as "stopped" (by whom, when), distinct from failed and crashed: in
+exit.json, `status`, `runs`, `logs` (its outcome line and exit code 5), and for `launch --replace` too
+(issue 10, item 8). Through the installed `dflashctl` console script on the local target, plus the wrapper
+script on its own."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("isolated_tmux")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "orchestrator" / "templates" / "start_training.sh"
+# Ends on SIGINT the way python does (KeyboardInterrupt: killed by SIGINT, exit 130 as the wrapper records it).
+SLEEPER = [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"]
+ME = f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def _inventory(tmp_path: Path) -> Path:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(textwrap.dedent(f"""\
+        targets:
+          local: {{kind: local, workdir: {json.dumps(str(tmp_path / 'work'))}, venv: workstation}}
+        venvs:
+          workstation: {{kind: workstation}}
+        experiments:
+          sleeper: {{kind: command, target: local, command: {json.dumps(SLEEPER)}}}
+        """))
+    return inv
+
+
+def _wait_ready(run: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run / "pid").exists() and "\nready\n" in (run / "train.log").read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{run.name} never got ready")
+
+
+def _runs(tmp_path: Path) -> list[Path]:
+    return sorted((p for p in (tmp_path / "work" / "runs").iterdir()), key=lambda p: p.stat().st_mtime)
+
+
+def test_stop_is_recorded_and_shown_as_stopped_by_whom_and_when(tmp_path, dflashctl):
+    inv = ["--inventory", str(_inventory(tmp_path))]
+    assert dflashctl(*inv, "launch", "sleeper").returncode == 0
+    run = _runs(tmp_path)[0]
+    _wait_ready(run)
+
+    stopped = dflashctl(*inv, "stop", run.name, "--grace", "5")
+    assert stopped.returncode == 0, stopped.stderr
+    ex = json.loads((run / "exit.json").read_text())
+    assert (ex["exit_code"], ex["signal"]) == (130, "SIGINT")
+    assert ex["stopped"]["by"] == ME and ex["stopped"]["via"] == "dflashctl stop" and ex["stopped"]["at"].endswith("Z")
+    shown = f"stopped by {ME} (dflashctl stop) at {ex['stopped']['at']}"
+    assert stopped.stdout.strip() == f"run {run.name} stopped with SIGINT: {shown} (exit code 130)"
+
+    st = json.loads(dflashctl(*inv, "status", "--json").stdout)
+    row = next(r for r in st["runs"] if r["run_id"] == run.name)
+    assert row["state"] == "stopped" and row["stopped"] == ex["stopped"]
+    assert shown in dflashctl(*inv, "status").stdout
+
+    rec = next(r for r in json.loads(dflashctl(*inv, "runs", "--json").stdout) if r["run_id"] == run.name)
+    assert rec["stopped"] == ex["stopped"]
+    assert f"by {ME} (dflashctl stop) at {ex['stopped']['at']}" in dflashctl(*inv, "runs").stdout
+
+    logs = dflashctl(*inv, "logs", run.name, "--follow")
+    assert logs.returncode == 5, logs.stderr
+    assert logs.stderr.splitlines()[-1] == f"run {run.name}: {shown} (exit code 130)"
+    js = [json.loads(line) for line in dflashctl(*inv, "logs", run.name, "--json").stdout.splitlines()]
+    assert js[-1]["state"] == "stopped" and js[-1]["exit_code"] == 5
+
+
+def test_replace_records_the_old_run_as_stopped_by_the_launch(tmp_path, dflashctl):
+    inv = ["--inventory", str(_inventory(tmp_path))]
+    assert dflashctl(*inv, "launch", "sleeper").returncode == 0
+    old = _runs(tmp_path)[0]
+    _wait_ready(old)
+    new = dflashctl(*inv, "launch", "sleeper", "--tag", "two", "--replace", "--grace", "5")
+    assert new.returncode == 0, new.stderr
+    ex = json.loads((old / "exit.json").read_text())
+    assert ex["stopped"]["by"] == ME and ex["stopped"]["via"] == "dflashctl launch sleeper --replace"
+    st = {r["run_id"]: r["state"] for r in json.loads(dflashctl(*inv, "status", "--json").stdout)["runs"]}
+    assert st[old.name] == "stopped" and list(st.values()).count("running") == 1
+    rec = next(r for r in json.loads(dflashctl(*inv, "runs", "--json").stdout) if r["run_id"] == old.name)
+    assert rec["stopped"] == ex["stopped"]
+
+
+def test_a_failure_and_a_crash_stay_what_they_are(tmp_path, dflashctl):
+    from orchestrator.agent import runs as agent_runs
+
+    assert agent_runs.state_of({"exit_code": 130, "signal": "SIGINT", "stopped": None}, False) == "failed"
+    assert agent_runs.state_of({"exit_code": 0, "stopped": {"by": ME}}, None, {"by": ME}) == "stopped"
+    assert agent_runs.state_of(None, False) == "crashed"
+    assert agent_runs.state_of(None, False, {"by": ME}) == "stopped"  # stopped, the wrapper gone with it
+    assert agent_runs.state_of(None, True, {"by": ME}) == "running"  # a stop under way
+
+
+def _wrapper_run(tmp_path: Path, stop_json: str | None) -> dict:
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "launch.env0").write_bytes(f"PATH={os.environ['PATH']}".encode() + b"\0")
+    if stop_json is not None:
+        (d / "stop.json").write_text(stop_json)
+    proc = subprocess.Popen(["bash", str(SCRIPT), str(d), "--", *SLEEPER], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_ready(d)
+    os.killpg(int((d / "pid").read_text()), signal.SIGINT)
+    proc.wait(30)
+    return json.loads((d / "exit.json").read_text())
+
+
+@pytest.mark.parametrize("stop_json, expected", [
+    ('{"by": "a@b", "via": "dflashctl stop", "at": "2026-01-01T00:00:00Z"}',
+     {"by": "a@b", "via": "dflashctl stop", "at": "2026-01-01T00:00:00Z"}),
+    ('{\n  "at": "T",\n  "by": "a@b"\n}\n', {"at": "T", "by": "a@b"}),  # as write_json writes it
+    (None, None),
+    ("not json", None),  # anything but one JSON object is ignored: exit.json stays valid
+])
+def test_the_wrapper_copies_stop_json_into_exit_json(tmp_path, stop_json, expected):
+    ex = _wrapper_run(tmp_path, stop_json)
+    assert ex["stopped"] == expected and ex["exit_code"] == 130
