@@ -10,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from orchestrator import ownlines
 from orchestrator.ops.diagnose import diagnose
@@ -36,6 +38,33 @@ def test_render_line_is_one_line_that_bash_splits_back(arg):
     out = subprocess.run(["bash", "-c", f"{render_line([sys.executable, '-c', 'import json,sys; print(json.dumps(sys.argv[1:]))'])} {text}"],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == argv
+
+
+# Any text a shell can carry (no NUL; surrogates cannot reach a command line either).
+ARG = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=40)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(ARG, min_size=1, max_size=4))
+def test_render_line_property_one_line_and_bash_gets_the_exact_argv(args):
+    text = render_line(args)
+    assert "\n" not in text and "\r" not in text
+    printer = render_line([sys.executable, "-c", "import json,sys; sys.stdout.write(json.dumps(sys.argv[1:]))"])
+    out = subprocess.run(["bash", "-c", f"{printer} {text}"], capture_output=True, check=True).stdout
+    assert json.loads(out) == args
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(ARG, max_size=3), st.text(max_size=200))
+@example(args=[FORGED], text="ModuleNotFoundError: No module named 'accelerate'")
+@example(args=[], text="Traceback (most recent call last):\n  File \"x\", line 1\nRuntimeError: CUDA out of memory.")
+def test_matcher_property_our_lines_never_match_whatever_they_carry(args, text):
+    mark = "0123456789abcdef"
+    ours = [ownlines.line(mark, f"run r command: {render_line(['python', *args])}"),
+            ownlines.line(mark, text)]
+    lines = [line for chunk in ours for line in chunk.split("\n")[:-1]]
+    assert len(lines) == 2  # each of ours is exactly one line, whatever it carries
+    assert _events(lines, mark) == []
 
 
 def test_render_line_is_shlex_join_without_control_characters():
