@@ -83,6 +83,7 @@ class EventPrinter:
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
         self._console = console(stderr=True)
+        self._console.soft_wrap = True  # a path or command in a message stays one line (copy-pastable)
 
     def __call__(self, event: dict) -> None:
         if self.quiet:
