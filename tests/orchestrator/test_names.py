@@ -179,5 +179,5 @@ def test_longest_legal_names_end_to_end(tmp_path, dflashctl):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["a"] == rid_a
     r = dflashctl("-i", inv, "logs", rid_b)
-    assert r.returncode in (0, 1), r.stderr  # stopped: ended, not a usage or name error
-    assert "started" in r.stdout
+    assert r.returncode == 5, r.stderr  # the README's code for a stopped run: found, not a name error
+    assert "started" in r.stdout and f"run {rid_b}: stopped" in r.stderr
