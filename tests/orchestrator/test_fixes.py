@@ -36,8 +36,8 @@ def _inventory(tmp_path: Path, host: dict, ctid: int, workdir: str = "/root/dfla
     path.write_text(yaml.safe_dump({
         "hosts": {"pve": host},
         "targets": {"ct": {"kind": "container", "host": "pve", "ctid": ctid, "workdir": workdir,
-                           "venv": "workstation"}},
-        "venvs": {"workstation": {"kind": "workstation"}},
+                           "venv": "system"}},
+        "venvs": {"system": {"kind": "system"}},
         "experiments": {"e": {"kind": "command", "target": "ct", "command": ["true"]}},
     }))
     return path
