@@ -518,27 +518,8 @@ def tmux_fix(target) -> str:
     """The command that installs tmux in a container, runnable as printed on the workstation."""
     from orchestrator.transport.quoting import render
 
-    return inside_command(target, TMUX_INSTALL) or render(TMUX_INSTALL)
-
-
-def inside_command(target, argv: list[str]) -> str | None:
-    """`ssh [-p PORT] [-i KEY] [-o UserKnownHostsFile=F] [USER@]HOST pct exec CTID -- argv` for a container
-    target, with what the inventory gives for its host (None for a local target)."""
-    from orchestrator.transport.quoting import render
-
-    pct = getattr(target, "transport", None)
-    ssh = getattr(pct, "parent", None)
-    if ssh is None or not hasattr(pct, "ctid") or not hasattr(ssh, "hostname"):
-        return None
-    opts = ["-p", str(ssh.port)] if ssh.port != 22 else []
-    if getattr(ssh, "identity_file", None):
-        opts += ["-i", ssh.identity_file]
-    if getattr(ssh, "known_hosts", None):
-        opts += ["-o", f"UserKnownHostsFile={ssh.known_hosts}"]
-    dest = f"{ssh.user}@{ssh.hostname}" if ssh.user else ssh.hostname
-    # ssh joins its arguments into one line for the host's shell: the pct command is quoted as one argument.
-    remote = render([*(["sudo", "-n"] if pct.sudo else []), pct.pct, "exec", str(pct.ctid), "--", *argv])
-    return render(["ssh", *opts, dest, remote])
+    line = getattr(getattr(target, "transport", None), "command_line", None)  # PctTransport: ssh ... pct exec
+    return line(TMUX_INSTALL) if line is not None else render(TMUX_INSTALL)
 
 
 __all__ = ["AS_IS_KINDS", "FINGERPRINT", "STAMP", "UvProfile", "VenvReport", "Wheel", "as_profile", "bundle_wheel",

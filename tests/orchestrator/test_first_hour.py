@@ -24,7 +24,7 @@ def first_hour_inventory(tmp_path: Path, fake_pve, ct) -> Path:
     tiny = shipped["experiments"]["tiny"]
     tiny["target"] = "ct"
     # The real trainer and the shipped tiny sizes; fewer steps so a shared 2-core box finishes in minutes.
-    tiny["trainer"].update(max_steps=120, save_every=60, log_every=20)
+    tiny["trainer"].update(max_steps=60, save_every=30, log_every=10)
     inv = {
         "hosts": {"pve": fake_pve.host_entry()},
         "targets": {"ct": {"kind": "container", "host": "pve", "ctid": ct.ctid, "workdir": ct.workdir, "venv": "cpu"}},

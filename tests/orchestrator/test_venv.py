@@ -519,9 +519,10 @@ def test_offline_without_tmux_warns_with_a_fix_that_works_as_printed(fake_pve, s
         assert rep.action == "built" and rep.tmux == "missing"
         (warning,) = rep.warnings
         assert warning["type"] == "TmuxMissing" and "--offline" in warning["message"]
-        assert warning["fix"] == (
-            f"ssh -p {fake_pve.port} -i {fake_pve.identity_file} -o UserKnownHostsFile={fake_pve.known_hosts} "
-            "root@127.0.0.1 'pct exec 333 -- sh -c '\"'\"'apt-get update && apt-get install -y tmux'\"'\"''")
+        # The runnable line: ssh with the inventory's settings, the pct command quoted as ONE argument.
+        assert warning["fix"] == target.transport.command_line(["sh", "-c", "apt-get update && apt-get install -y tmux"])
+        assert warning["fix"].startswith(f"ssh -p {fake_pve.port} -i {fake_pve.identity_file} ")
+        assert warning["fix"].endswith(" root@127.0.0.1 'pct exec 333 --keep-env 0 -- sh -c '\"'\"'apt-get update && apt-get install -y tmux'\"'\"''")
         pasted = subprocess.run(["bash", "-c", warning["fix"]], capture_output=True, text=True, timeout=300)
         assert pasted.returncode == 0, pasted.stderr[-2000:]
         assert ct.exec(["tmux", "-V"]).returncode == 0
