@@ -225,7 +225,11 @@ if [ "$need_uv" = true ] || [ -n "$need_wheels" ]; then
     printf '{"event":"need","uv":%s,"wheels":[%s]}\n' "$need_uv" "$need_wheels"
     fail NeedFiles "the target lacks files the workstation believed it held (uv: $need_uv, wheels: [$need_wheels])" "run it again"
 fi
-uv_version=$("${UV[@]}" --version 2>/dev/null | head -n 1)
+step=uv
+uv_version=$("${UV[@]}" --version 2>>"$steplog" | head -n 1)
+# The workstation's binary runs only on its own OS and architecture (a Mac's uv cannot run in a container).
+[ -n "$uv_version" ] || fail UvUnusable "uv ${UV[0]} does not run on this $(uname -s) $(uname -m) machine" \
+    "run dflashctl from a workstation of the target's OS and architecture, or install uv $uv_want in the target (a uv of that version on PATH is used as is)"
 if [ "$uv_pushed" = true ]; then progress uv "$uv_version (the workstation's, installed as $workdir/bin/uv), cache $cache"
 else progress uv "$uv_version at ${UV[0]}, cache $cache"; fi
 lap uv

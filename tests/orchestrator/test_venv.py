@@ -603,3 +603,17 @@ def test_a_system_profile_fingerprints_the_targets_python3(tmp_path):
                          capture_output=True, text=True).stdout.split()
     assert fp["kind"] == "system" and [fp["python"], fp["executable"]] == py3 and fp["lock_hash"] is None
     assert venvinfo.fingerprint_diff(fp, None) == []
+
+
+def test_a_uv_that_cannot_run_on_the_target_is_named_with_the_way_out(tmp_path, monkeypatch):
+    from orchestrator.ops import carry
+
+    foreign = tmp_path / "uv"
+    foreign.write_bytes(b"\xcf\xfa\xed\xfe" + bytes(64))  # a Mach-O header: a Mac's uv, not runnable here
+    foreign.chmod(0o755)
+    monkeypatch.setattr(carry, "workstation_uv", lambda: carry.UvBinary(str(foreign), "0.13.9", "ab" * 32))
+    with pytest.raises(AgentError) as exc:
+        rebuild_venv(local(tmp_path / "w"), cpu_profile(lock="test"))
+    assert exc.value.agent_type == "UvUnusable" and "step `uv`" in exc.value.message
+    assert "does not run on this Linux" in exc.value.message and "install uv 0.13.9 in the target" in exc.value.fix
+    assert venvs_state(tmp_path / "w") == (None, [])
