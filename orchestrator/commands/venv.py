@@ -59,6 +59,38 @@ class _Progress:
             self.progress.console.print(f"  {event.get('line', '')}", style="dim")
 
 
+def _print_report(tname: str, pname: str, report) -> None:
+    """The rebuild-venv report as text (warnings with their fixes on stderr)."""
+    from orchestrator.render import console
+
+    out = console()
+    fp = report.fingerprint or {}
+    env = f"python {fp.get('python')}, torch {fp.get('torch')}, CUDA {fp.get('cuda')}" if fp else ""
+    for w in report.warnings:
+        console(stderr=True).print(f"warning: {w['message']}" + (f"\n  fix: {w['fix']}" if w.get("fix") else ""))
+    if report.action in ("workstation", "system"):
+        what = "the workstation's own interpreter" if report.action == "workstation" else "the target's python3 as is"
+        out.print(f"profile {pname!r} is {what}: nothing to build")
+    elif report.action == "noop":
+        out.print(f"{tname}: venv {report.venv} already matches lock {report.lock_hash} and bundle "
+                  f"{report.bundle_hash} ({env}); nothing to do (--force rebuilds)")
+    elif report.action == "rollback":
+        out.print(f"{tname}: current -> {report.venv} ({env}); was {report.previous}")
+    else:
+        secs = {k: f"{v / 1000:.1f}s" for k, v in report.timings_ms.items()}
+        out.print(f"{tname}: built {report.venv} from lock {report.lock} ({report.lock_hash}) in "
+                  f"{report.wall_s:.1f}s ({env})")
+        out.print(f"  steps: {', '.join(f'{k} {v}' for k, v in secs.items())}")
+        if report.previous:
+            out.print(f"  previous: {report.previous} (dflashctl rebuild-venv --rollback)")
+        if report.pruned:
+            out.print(f"  removed old venvs: {', '.join(report.pruned)}")
+        if report.carried:
+            out.print(f"  brought along: {', '.join(report.carried)} ({report.carried_bytes / 2**20:.0f} MiB)")
+    if report.tmux == "installed":
+        out.print(f"{tname}: tmux installed (apt-get)")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("rebuild-venv", help=REBUILD_HELP)
     def rebuild_venv_cmd(
@@ -75,7 +107,7 @@ def register(app: typer.Typer) -> None:
         from orchestrator.errors import UserError
         from orchestrator.inventory import load_inventory
         from orchestrator.ops.venv import profile_for, rebuild_venv
-        from orchestrator.render import console, print_json
+        from orchestrator.render import print_json
         from orchestrator.target import open_target
 
         if rollback and (force or offline):
@@ -91,34 +123,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(dataclasses.asdict(report))
             return
-        out = console()
-        fp = report.fingerprint or {}
-        env = f"python {fp.get('python')}, torch {fp.get('torch')}, CUDA {fp.get('cuda')}" if fp else ""
-        for w in report.warnings:
-            console(stderr=True).print(f"warning: {w['message']}" + (f"\n  fix: {w['fix']}" if w.get("fix") else ""),
-                                       markup=False, highlight=False)
-        if report.action in ("workstation", "system"):
-            what = "the workstation's own interpreter" if report.action == "workstation" else "the target's python3 as is"
-            out.print(f"profile {pname!r} is {what}: nothing to build", markup=False)
-        elif report.action == "noop":
-            out.print(f"{tname}: venv {report.venv} already matches lock {report.lock_hash} and bundle "
-                      f"{report.bundle_hash} ({env}); nothing to do (--force rebuilds)")
-        elif report.action == "rollback":
-            out.print(f"{tname}: current -> {report.venv} ({env}); was {report.previous}")
-        else:
-            secs = {k: f"{v / 1000:.1f}s" for k, v in report.timings_ms.items()}
-            out.print(f"{tname}: built {report.venv} from lock {report.lock} ({report.lock_hash}) in "
-                      f"{report.wall_s:.1f}s ({env})")
-            out.print(f"  steps: {', '.join(f'{k} {v}' for k, v in secs.items())}")
-            if report.previous:
-                out.print(f"  previous: {report.previous} (dflashctl rebuild-venv --rollback)")
-            if report.pruned:
-                out.print(f"  removed old venvs: {', '.join(report.pruned)}")
-            if report.carried:
-                out.print(f"  brought along: {', '.join(report.carried)} ({report.carried_bytes / 2**20:.0f} MiB)",
-                          markup=False)
-        if report.tmux == "installed":
-            out.print(f"{tname}: tmux installed (apt-get)", markup=False)
+        _print_report(tname, pname, report)
 
     @app.command("lock", help=LOCK_HELP)
     def lock_cmd(
