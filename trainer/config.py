@@ -119,6 +119,31 @@ class DataConfig(_Strict):
     """Extra arguments to the chat template, e.g. {"enable_thinking": false}; must match deployment (§4)."""
 
 
+class EvalConfig(_Strict):
+    """τ on the held-out prompts (trainer.evaluate): the chain, DDTree budgets, temperatures."""
+
+    budgets: list[int] = [16, 32, 64, 128]
+    """DDTree node budgets B measured beside the chain (empty: chain only)."""
+    temperatures: list[float] = [0.0, 0.7, 1.0]
+    """0 = greedy; > 0 = speculative sampling at that temperature (lossless in distribution)."""
+    seed: int = 0
+    """Seed of the sampling at T > 0, so two evaluations of the same weights agree."""
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets_positive(cls, v):
+        if any(b < 1 for b in v):
+            raise ValueError(f"budgets must be >= 1 draft nodes each, got {v}")
+        return sorted(set(v))
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, v):
+        if not v or any(t < 0 for t in v):
+            raise ValueError(f"temperatures must be a non-empty list of values >= 0 (0 = greedy), got {v}")
+        return sorted(set(float(t) for t in v))
+
+
 class OptimConfig(_Strict):
     """AdamW with cosine decay and linear warm-up, as in the paper (A.1)."""
 
@@ -205,6 +230,8 @@ class TrainConfig(_Strict):
     """Steps between checkpoints."""
     eval_every: int | None = None
     """Steps between τ evaluations (None: only at the end)."""
+    evaluation: EvalConfig = EvalConfig()
+    """What a τ evaluation measures (chain, DDTree budgets, temperatures)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Complete checkpoints kept on disk."""
 

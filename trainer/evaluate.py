@@ -1,37 +1,54 @@
-"""Acceptance length τ by real greedy speculative decoding against the target (reference/dflash.md §1.5, §3).
+"""Acceptance length τ by real speculative decoding against the target (reference/dflash.md §1.5, §3, §5).
 
-One prompt, batch 1, temperature 0:
+One prompt, batch 1:
 
-    prefill the prompt (P tokens) -> target logits and features for positions 0..P-1
-    bonus = argmax at P-1 (the token at position P); the drafter's context = features 0..P-1
-    round at cursor `start` (the bonus position):
-        draft  block [bonus, MASK x (bs-1)] at positions start..start+bs-1, seeing features < start only
-        verify the target on [bonus, d_1 .. d_{bs-1}] at the same positions (its cache holds 0..start-1)
-        accept the longest prefix with d_k == argmax_target(position start+k-1), k = 1..n
-        commit d_1..d_n and the target's next token (the new bonus) -> acceptance length n + 1
-        the drafter's new context = target features of positions start..start+n from the verify pass;
-        the target cache is cropped to start+n+1
+    prefill the prompt (P tokens) -> the target's token at position P (argmax, or a sample at T > 0)
+    round at cursor `start` (the last committed token's position):
+        draft   one drafter forward over [token@start, MASK x (bs-1)] seeing features < start only
+                -> per-position logits for positions start+1 .. start+bs-1
+        verify  chain: the target on [token, d_1 .. d_{bs-1}] (drafts = argmax, or samples of q at T > 0)
+                tree:  the target on a DDTree of at most B drafts in one forward (trainer.ddtree)
+        accept  greedy: longest run of drafts equal to the target's argmax; T > 0: speculative sampling
+                (trainer.sampling); then the target's next token
+        commit  the kept drafts and the next token; acceptance length = kept + 1; the target's cache keeps
+                the prefix and the accepted path; the drafter's new context = their target features
+    rounds continue while fewer than N tokens went through a verify round (start < P + N); the output is
+    cut to N tokens and after the first stop token; a round that commits a stop token is the last.
 
-Every committed token is the target's own greedy choice, so the output equals plain greedy decoding.
+This is the counting of the published DFlash benchmark: τ = mean over prompts of the per-prompt mean
+acceptance length, and the token from the prefill counts only once a round has verified it.
+
+The drafter is either the trainer's in-memory `DFlashDrafter` or the shipped artifact: the exported
+directory loaded with ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` (`load_export`), or the
+same remote code built in memory from the trainer's weights cast to the export dtype (`shipped_model`).
+Every committed token is the target's own choice, so the output equals plain target decoding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from trainer.ddtree import build_tree, keep_path, verify_inputs, walk
+from trainer.metrics import tau_key, width_key
+from trainer.sampling import accept_greedy, accept_sampled, choose, draw, probabilities
 
 
 @dataclass
 class TauReport:
-    """τ over a prompt set.
+    """τ over a prompt set for one decoding mode.
 
     Attributes:
-        per_prompt: mean acceptance length (accepted drafts + 1 bonus per round) of each prompt.
+        per_prompt: mean acceptance length (accepted drafts + 1 per round) of each prompt.
         mean: mean of per_prompt (the reference benchmark's τ).
         histogram: histogram[n] = rounds with acceptance length n, n = 0..block_size (index 0 is always 0).
         outputs: generated token ids per prompt (prompt excluded).
         rounds: verify rounds per prompt.
+        budget: DDTree node budget (None: chain).
+        temperature: 0 = greedy.
+        verify_width: mean tokens fed to one verifying target forward (chain: the block; tree: 1 + nodes).
     """
 
     per_prompt: list[float]
@@ -39,17 +56,259 @@ class TauReport:
     histogram: list[int]
     outputs: list[list[int]] = field(default_factory=list)
     rounds: list[int] = field(default_factory=list)
+    budget: int | None = None
+    temperature: float = 0.0
+    verify_width: float = 0.0
+
+    @property
+    def mode(self) -> str:
+        return "chain" if self.budget is None else f"tree B={self.budget}"
 
     def to_dict(self) -> dict:
         return {
             "tau": self.mean,
+            "mode": "chain" if self.budget is None else "tree",
+            "budget": self.budget,
+            "temperature": self.temperature,
+            "verify_width": self.verify_width,
             "per_prompt": self.per_prompt,
             "histogram": self.histogram,
             "rounds": self.rounds,
         }
 
 
+@dataclass
+class EvalReport:
+    """τ for the chain and every DDTree budget, at every temperature (one `TauReport` each)."""
+
+    reports: list[TauReport]
+
+    def get(self, budget: int | None = None, temperature: float = 0.0) -> TauReport | None:
+        """The report of one mode (budget None = chain), or None if it was not measured."""
+        for r in self.reports:
+            if r.budget == budget and r.temperature == temperature:
+                return r
+        return None
+
+    @property
+    def tau(self) -> float:
+        """Greedy chain τ (the published benchmark's headline number)."""
+        chain = self.get(None, 0.0) or self.reports[0]
+        return chain.mean
+
+    def to_record(self) -> dict:
+        """Flat numbers for a metrics.jsonl line (key names: `trainer.metrics.tau_key` / `width_key`)."""
+        rec: dict = {"tau": self.tau}
+        for r in self.reports:
+            rec[tau_key(r.budget, r.temperature)] = r.mean
+            rec[width_key(r.budget, r.temperature)] = r.verify_width
+        return rec
+
+    def to_dict(self) -> dict:
+        return {"tau": self.tau, "results": [r.to_dict() for r in self.reports]}
+
+    def save(self, path: str | Path) -> Path:
+        """Write `to_dict` as JSON, whole or not at all (temp file + rename)."""
+        import json
+        import os
+
+        p = Path(path)
+        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, p)
+        return p
+
+    def table(self) -> str:
+        """A human table: one row per temperature, one column per mode (τ, then tokens per verify forward)."""
+        modes = sorted({r.budget for r in self.reports}, key=lambda b: -1 if b is None else b)
+        temps = sorted({r.temperature for r in self.reports})
+        head = ["T"] + ["chain" if b is None else f"B={b}" for b in modes]
+        rows = [head]
+        for t in temps:
+            row = [f"{t:g}"]
+            for b in modes:
+                r = self.get(b, t)
+                row.append("-" if r is None else f"{r.mean:.3f} ({r.verify_width:.0f})")
+            rows.append(row)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+        return "τ (tokens per verify forward)\n" + "\n".join(lines)
+
+
+# -- drafters ---------------------------------------------------------------------------------------
+class _TrainerDraft:
+    """The trainer's in-memory `DFlashDrafter` (its context cache and `draft_step`)."""
+
+    def __init__(self, drafter):
+        self.d = drafter
+
+    def new_state(self):
+        return self.d.new_cache()
+
+    def logits(self, state, token: int, start: int, ctx, ctx_pos, bs: int) -> torch.Tensor:
+        dev = self.d.device
+        block = torch.full((1, bs), self.d.mask_token_id, dtype=torch.long, device=dev)
+        block[0, 0] = token
+        block_pos = torch.arange(start, start + bs, device=dev)[None]
+        hidden = self.d.draft_step(block, ctx, ctx_pos, block_pos, state)
+        return self.d.logits(hidden[0, 1:]).float()
+
+
+class _ShippedDraft:
+    """The exported remote code (`trainer/reference/dflash.py`) with transformers' own DynamicCache."""
+
+    def __init__(self, model, target):
+        self.m, self.target = model, target
+
+    def new_state(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def logits(self, state, token: int, start: int, ctx, ctx_pos, bs: int) -> torch.Tensor:
+        return self.m.draft_block(self.target.hf, token, start, ctx, ctx_pos, state, bs)
+
+
+def _draft_source(drafter, target):
+    if hasattr(drafter, "draft_block"):
+        return _ShippedDraft(drafter, target)
+    return _TrainerDraft(drafter)
+
+
+# -- one decoding round -----------------------------------------------------------------------------
+@dataclass
+class _Round:
+    kept: list[int]  # accepted draft tokens
+    next: int  # the target's token after them
+    feats: torch.Tensor  # [1, kept + 1, F] target features of the committed entries (root first)
+    width: int  # tokens in the verify forward
+
+
+def _chain_round(target, cache, root, q_logits, start, temperature, gen) -> _Round:
+    dev = target.device
+    q = None
+    if q_logits is None:  # block size 1: plain target decoding
+        drafts = torch.empty(0, dtype=torch.long, device=dev)
+    elif temperature <= 0:
+        drafts = q_logits.argmax(-1).to(dev)
+    else:
+        q = probabilities(q_logits, temperature).to(dev)
+        drafts = draw(q, gen)
+    ids = torch.cat([torch.tensor([root], device=dev), drafts])[None]
+    logits, feats = target.logits_and_features(ids, cache)
+    if temperature <= 0:
+        n, nxt = accept_greedy(drafts.tolist(), logits[0].argmax(-1).tolist())
+    else:
+        n, nxt = accept_sampled(drafts, q, probabilities(logits[0], temperature), gen)
+    target.crop_cache(cache, start + n + 1)
+    return _Round(drafts[:n].tolist(), nxt, feats[:, : n + 1], ids.shape[1])
+
+
+def _tree_round(target, cache, root, q_logits, start, budget, top_k, temperature, gen) -> _Round:
+    if q_logits is None:
+        log_q = torch.zeros(0, 1)
+    else:
+        log_q = torch.log_softmax(q_logits.float() / (temperature if temperature > 0 else 1.0), dim=-1).cpu()
+    tree = build_tree(log_q, root, budget, top_k)
+    ids, pos, mask = verify_inputs(tree, start, start, target.device)
+    logits, feats = target.logits_and_features(ids, cache, position_ids=pos, attention_mask=mask)
+    entries, nxt = walk(tree, choose(logits[0], temperature, gen).tolist())
+    keep_path(cache, start, entries)
+    idx = torch.tensor(entries, device=feats.device)
+    return _Round([tree.tokens[e] for e in entries[1:]], nxt, feats.index_select(1, idx), len(tree))
+
+
+# -- one prompt -------------------------------------------------------------------------------------
+@dataclass
+class Decoded:
+    """One prompt's speculative decoding: its tokens, and per round the acceptance length and verify width."""
+
+    tokens: list[int]
+    accept_lens: list[int]
+    widths: list[int]
+
+
+def _block_size(drafter, block_size: int | None) -> int:
+    bs = block_size or drafter.block_size
+    if not 1 <= bs <= drafter.block_size:
+        raise ValueError(f"block_size {bs} must be in 1..{drafter.block_size} (the drafter's trained block)")
+    return bs
+
+
+def _cut(tokens: list[int], n: int, stop: set[int]) -> list[int]:
+    tokens = tokens[:n]
+    for i, tok in enumerate(tokens):
+        if tok in stop:
+            return tokens[: i + 1]
+    return tokens
+
+
 @torch.no_grad()
+def decode(
+    drafter,
+    target,
+    prompt: list[int],
+    *,
+    max_new_tokens: int = 64,
+    block_size: int | None = None,
+    budget: int | None = None,
+    top_k: int | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> Decoded:
+    """Speculative decoding of one prompt (see the module docstring).
+
+    Args:
+        drafter: a `trainer.model.DFlashDrafter`, or the shipped model (`load_export` / `shipped_model`).
+        target: a `trainer.features.TargetModel`.
+        prompt: token ids (at least one).
+        max_new_tokens: N, the tokens to generate.
+        block_size: test-time block (<= the drafter's); default: the drafter's. 1 = plain target decoding.
+        budget: None = chain; else DDTree with at most this many draft nodes per round.
+        top_k: DDTree candidates per position (default: the budget); 1 = the greedy chain as a tree.
+        temperature: 0 = greedy; > 0 = speculative sampling at this temperature.
+        generator: random source for T > 0 (on the target's device); None = torch's global one.
+        stop_token_ids: end after the round that commits one of these.
+
+    Returns:
+        Decoded.
+
+    Raises:
+        ValueError: empty prompt, a block_size outside 1..drafter.block_size, a negative temperature.
+    """
+    bs = _block_size(drafter, block_size)
+    if not prompt:
+        raise ValueError("empty prompt: speculative decoding needs at least one prompt token")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    source, stop, dev = _draft_source(drafter, target), set(stop_token_ids or []), target.device
+    was_training = getattr(drafter, "training", False)
+    drafter.eval()
+    try:
+        cache = target.new_cache()
+        logits, ctx = target.logits_and_features(torch.tensor([prompt], device=dev), cache)
+        tokens = [int(choose(logits[0, -1], temperature, generator))]
+        ctx_pos = torch.arange(len(prompt), device=dev)[None]
+        state, start, lens, widths = source.new_state(), len(prompt), [], []
+        while start < len(prompt) + max_new_tokens:
+            q_logits = source.logits(state, tokens[-1], start, ctx, ctx_pos, bs) if bs > 1 else None
+            if budget is None:
+                r = _chain_round(target, cache, tokens[-1], q_logits, start, temperature, generator)
+            else:
+                r = _tree_round(target, cache, tokens[-1], q_logits, start, budget, top_k, temperature, generator)
+            tokens += r.kept + [r.next]
+            ctx, ctx_pos = r.feats, torch.arange(start, start + len(r.kept) + 1, device=dev)[None]
+            start += len(r.kept) + 1
+            lens.append(len(r.kept) + 1)
+            widths.append(r.width)
+            if stop.intersection(tokens):
+                break
+        return Decoded(_cut(tokens, max_new_tokens, stop), lens, widths)
+    finally:
+        drafter.train(was_training)
+
+
 def speculative_generate(
     drafter,
     target,
@@ -59,70 +318,14 @@ def speculative_generate(
     block_size: int | None = None,
     stop_token_ids: list[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Greedy speculative decoding of one prompt.
-
-    Args:
-        drafter: a `trainer.model.DFlashDrafter` (borrowing ``target``'s embedding and head).
-        target: a `trainer.features.TargetModel`.
-        prompt: token ids (at least one).
-        max_new_tokens: tokens to generate (the output is cut to this length).
-        block_size: test-time block (<= the drafter's); default: the drafter's. 1 = plain target decoding.
-        stop_token_ids: stop after committing any of these.
-
-    Returns:
-        (generated ids, acceptance length of each round).
-
-    Raises:
-        ValueError: empty prompt, or a block_size outside 1..drafter.block_size.
-    """
-    bs = block_size or drafter.block_size
-    if not 1 <= bs <= drafter.block_size:
-        raise ValueError(f"block_size {bs} must be in 1..{drafter.block_size} (the drafter's trained block)")
-    if not prompt:
-        raise ValueError("empty prompt: speculative decoding needs at least one prompt token")
-    stop = set(stop_token_ids or [])
-    dev = target.device
-    was_training = drafter.training
-    drafter.eval()
-    try:
-        ids = torch.tensor([prompt], device=dev)
-        P = ids.shape[1]
-        cache = target.new_cache()
-        logits, feats = target.logits_and_features(ids, cache)
-        bonus = int(logits[0, -1].argmax())
-        out = [bonus]
-        accept_lens: list[int] = []
-        dcache = drafter.new_cache()
-        new_feats, new_pos = feats, torch.arange(P, device=dev)[None]  # context the drafter has not seen yet
-        start = P
-        while len(out) < max_new_tokens and bonus not in stop:
-            block = torch.full((1, bs), drafter.mask_token_id, dtype=torch.long, device=dev)
-            block[0, 0] = bonus
-            if bs > 1:
-                block_pos = torch.arange(start, start + bs, device=dev)[None]
-                hidden = drafter.draft_step(block, new_feats, new_pos, block_pos, dcache)
-                block[0, 1:] = drafter.logits(hidden[:, 1:]).argmax(-1).to(dev)[0]
-            logits, feats = target.logits_and_features(block, cache)
-            verdict = logits[0].argmax(-1)  # verdict[i] = target's token at position start+i+1
-            n = 0
-            while n < bs - 1 and int(block[0, n + 1]) == int(verdict[n]):
-                n += 1
-            committed = block[0, 1 : n + 1].tolist() + [int(verdict[n])]
-            accept_lens.append(n + 1)
-            target.crop_cache(cache, start + n + 1)
-            new_feats = feats[:, : n + 1]
-            new_pos = torch.arange(start, start + n + 1, device=dev)[None]
-            start += n + 1
-            for tok in committed:
-                out.append(tok)
-                if tok in stop:
-                    break
-            bonus = out[-1]
-        return out[:max_new_tokens], accept_lens
-    finally:
-        drafter.train(was_training)
+    """Greedy chain speculative decoding of one prompt: (generated ids, acceptance length of each round)."""
+    d = decode(
+        drafter, target, prompt, max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_token_ids
+    )
+    return d.tokens, d.accept_lens
 
 
+# -- a prompt set -----------------------------------------------------------------------------------
 def acceptance_length(
     drafter,
     target,
@@ -130,16 +333,25 @@ def acceptance_length(
     max_new_tokens: int = 64,
     block_size: int | None = None,
     stop_token_ids: list[int] | None = None,
+    *,
+    budget: int | None = None,
+    top_k: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> TauReport:
-    """τ by real greedy speculative decoding (see module docstring).
+    """τ by real speculative decoding (see the module docstring) in one mode.
 
     Args:
-        drafter: a `trainer.model.DFlashDrafter`.
+        drafter: a `trainer.model.DFlashDrafter` or the shipped model.
         target: a `trainer.features.TargetModel`.
         prompts: token id lists (each non-empty).
         max_new_tokens: tokens generated per prompt.
         block_size: test-time block (default: the drafter's).
-        stop_token_ids: stop a prompt after committing one of these.
+        stop_token_ids: stop a prompt after the round that commits one of these.
+        budget: None = chain, else the DDTree node budget.
+        top_k: DDTree candidates per position (default: the budget).
+        temperature: 0 = greedy.
+        seed: seeds the sampling generator (T > 0), so a report is reproducible.
 
     Returns:
         TauReport.
@@ -149,27 +361,231 @@ def acceptance_length(
     """
     if not prompts:
         raise ValueError("acceptance_length needs at least one prompt")
-    bs = block_size or drafter.block_size
+    bs = _block_size(drafter, block_size)
+    gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     hist = [0] * (bs + 1)
-    per_prompt, outputs, rounds = [], [], []
+    per_prompt, outputs, rounds, widths = [], [], [], []
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
-        out, lens = speculative_generate(
-            drafter, target, prompt, max_new_tokens=max_new_tokens, block_size=bs, stop_token_ids=stop_token_ids
+        d = decode(
+            drafter, target, prompt, max_new_tokens=max_new_tokens, block_size=bs, budget=budget, top_k=top_k,
+            temperature=temperature, generator=gen, stop_token_ids=stop_token_ids,
         )
-        for n in lens:
+        for n in d.accept_lens:
             hist[n] += 1
-        # A prompt that stops right after the prefill has no rounds: its τ is undefined, count it as 1.
-        per_prompt.append(sum(lens) / len(lens) if lens else 1.0)
-        outputs.append(out)
-        rounds.append(len(lens))
+        per_prompt.append(sum(d.accept_lens) / len(d.accept_lens) if d.accept_lens else 1.0)
+        outputs.append(d.tokens)
+        rounds.append(len(d.accept_lens))
+        widths += d.widths
     return TauReport(
         per_prompt=per_prompt,
         mean=sum(per_prompt) / len(per_prompt),
         histogram=hist,
         outputs=outputs,
         rounds=rounds,
+        budget=budget,
+        temperature=float(temperature),
+        verify_width=sum(widths) / len(widths) if widths else 0.0,
+    )
+
+
+def evaluate(
+    drafter,
+    target,
+    prompts: list[list[int]],
+    *,
+    budgets=(16, 32, 64, 128),
+    temperatures=(0.0,),
+    max_new_tokens: int = 64,
+    stop_token_ids: list[int] | None = None,
+    seed: int = 0,
+) -> EvalReport:
+    """τ of the chain and of every DDTree budget, at every temperature (same prompts, same seed)."""
+    reports = []
+    for t in temperatures:
+        for b in [None, *budgets]:
+            reports.append(
+                acceptance_length(
+                    drafter, target, prompts, max_new_tokens, stop_token_ids=stop_token_ids, budget=b,
+                    temperature=float(t), seed=seed,
+                )
+            )
+    return EvalReport(reports)
+
+
+# -- the shipped artifact ---------------------------------------------------------------------------
+def load_export(export_dir: str | Path, device: torch.device | str = "cpu"):
+    """The exported drafter as users load it: ``AutoModel.from_pretrained(dir, trust_remote_code=True)``,
+    in the file's dtype (bf16 for a default export).
+
+    Raises:
+        ValueError: the directory is not an export (no config.json / model.safetensors / dflash.py).
+    """
+    from transformers import AutoModel
+
+    p = Path(export_dir)
+    missing = [n for n in ("config.json", "model.safetensors", "dflash.py") if not (p / n).is_file()]
+    if missing:
+        raise ValueError(
+            f"{p}: not an exported drafter (missing {', '.join(missing)}); point --export at the export/ "
+            "directory of a finished run"
+        )
+    model = AutoModel.from_pretrained(str(p), trust_remote_code=True, dtype="auto")
+    return model.to(device).eval()
+
+
+def shipped_model(drafter, target, dtype: torch.dtype = torch.bfloat16):
+    """The remote code that ships with every export, holding ``drafter``'s weights cast to ``dtype``.
+
+    What `load_export` would return for an export of ``drafter`` at ``dtype`` (the same file, the same
+    rounding), without writing one: the periodic evaluation measures the artifact, not the fp32 weights.
+    """
+    from transformers import Qwen3Config
+
+    from trainer.export import draft_config_dict
+    from trainer.reference.dflash import DFlashDraftModel
+
+    cfg = Qwen3Config.from_dict(draft_config_dict(drafter, target, dtype))
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    state = {k: v.detach().to(dtype) for k, v in drafter.state_dict().items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.to(drafter.device).eval()
+
+
+def periodic_eval(
+    drafter,
+    target,
+    prompts: list[list[int]],
+    cfg,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: list[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    export_dir: str | Path | None = None,
+) -> EvalReport | None:
+    """The training loop's τ evaluation (before, during and after training): the shipped artifact, every mode.
+
+    Without ``export_dir`` the drafter's weights are cast to the export dtype inside the shipped remote code
+    (`shipped_model`: exactly what an export would load); with it, the written export is loaded from disk
+    (`load_export`), as after the final export.
+
+    Args:
+        drafter: the trainer's `DFlashDrafter` (its weights and train/eval mode are left untouched).
+        target: the `TargetModel`.
+        prompts: held-out prompts (None report without any).
+        cfg: a `trainer.config.EvalConfig` (budgets, temperatures, seed).
+        max_new_tokens: N per prompt.
+        stop_token_ids: the tokenizer's end tokens.
+        dtype: the export dtype.
+        export_dir: an export of this drafter to measure instead.
+
+    Returns:
+        EvalReport (None without prompts); ``report.to_record()`` is the metrics line's payload,
+        ``report.to_dict()`` the eval json.
+    """
+    if not prompts:
+        return None
+    model = shipped_model(drafter, target, dtype) if export_dir is None else load_export(export_dir, target.device)
+    return evaluate(
+        model, target, prompts, budgets=cfg.budgets, temperatures=cfg.temperatures, max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids, seed=cfg.seed,
+    )
+
+
+def load_prompts(files: list[str], tokenizer, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+    """Held-out prompts: each jsonl record's messages up to (not including) its first assistant turn, through
+    the tokenizer's chat template with the generation prompt (the deployment's template, §4).
+
+    Records without an assistant turn are prompts as they are. Unreadable records are skipped and counted.
+
+    Raises:
+        DataError: a missing file, or no usable prompt at all (the message lists why records were skipped).
+    """
+    import json
+
+    from trainer.data import BadRecord, DataError, SkipReport, normalize_record
+
+    report, prompts, kw = SkipReport(), [], dict(chat_template_kwargs or {})
+    for path in files:
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"{p}: no such prompt file (a jsonl of conversations with `messages`)")
+        for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                msgs = obj.get("messages", obj.get("conversations")) if isinstance(obj, dict) else None
+                if isinstance(msgs, list) and not any(
+                    isinstance(m, dict) and m.get("role", m.get("from")) in ("assistant", "gpt") for m in msgs
+                ):
+                    obj = {"messages": msgs + [{"role": "assistant", "content": "-"}]}  # validates as a turn
+                messages = normalize_record(obj)
+            except (json.JSONDecodeError, BadRecord) as exc:
+                report.add(f"{p}:{lineno}", exc if isinstance(exc, BadRecord) else BadRecord("bad JSON", str(exc)))
+                continue
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            text = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, tokenize=False, **kw)
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not prompts:
+        raise DataError(f"no usable prompt in {', '.join(map(str, files))}: {report.summary()}")
+    return prompts
+
+
+def evaluate_export(
+    export_dir: str | Path,
+    target_dir: str | Path,
+    prompt_files: list[str],
+    cfg,
+    *,
+    max_new_tokens: int = 256,
+    max_prompts: int | None = None,
+    device: str = "cpu",
+    target_dtype: torch.dtype = torch.bfloat16,
+    chat_template_kwargs: dict | None = None,
+) -> EvalReport:
+    """τ of an exported drafter directory against its target directory (``python -m trainer eval``).
+
+    The drafter is the bf16 file loaded as users load it (`load_export`); the target is loaded in
+    ``target_dtype`` (bf16, as the published benchmark loads it) with the feature layers the export names.
+
+    Args:
+        export_dir: an export (config.json, model.safetensors, dflash.py).
+        target_dir: the target's HF model directory, with its tokenizer.
+        prompt_files: jsonl files of held-out conversations.
+        cfg: a `trainer.config.EvalConfig`.
+        max_new_tokens: N per prompt.
+        max_prompts: evaluate the first this many prompts only.
+        device: where both models run.
+        target_dtype: the target's weights dtype.
+        chat_template_kwargs: extra chat-template arguments (e.g. {"enable_thinking": False}).
+
+    Raises:
+        ValueError: not an export, not a model directory, or a drafter built for another target.
+        DataError: unusable prompt files.
+    """
+    from transformers import AutoTokenizer
+
+    from trainer.features import TargetModel
+
+    drafter = load_export(export_dir, device)
+    if not (Path(target_dir) / "config.json").is_file():
+        raise ValueError(f"{target_dir}: no HF model directory there (no config.json); give --target the target's directory")
+    target = TargetModel.from_pretrained(target_dir, layer_ids=drafter.target_layer_ids, dtype=target_dtype, device=device)
+    if (target.hidden_size, target.vocab_size) != (drafter.config.hidden_size, drafter.config.vocab_size):
+        raise ValueError(
+            f"{export_dir} was trained for a target with hidden size {drafter.config.hidden_size} and "
+            f"{drafter.config.vocab_size} tokens; {target_dir} has {target.hidden_size} and {target.vocab_size}: "
+            "give the target the drafter was trained against"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    prompts = load_prompts(prompt_files, tokenizer, chat_template_kwargs)[:max_prompts]
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return evaluate(
+        drafter, target, prompts, budgets=cfg.budgets, temperatures=cfg.temperatures, max_new_tokens=max_new_tokens,
+        stop_token_ids=stop, seed=cfg.seed,
     )
 
 

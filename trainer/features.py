@@ -210,6 +210,7 @@ class TargetModel(nn.Module):
         cache=None,
         *,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of new tokens (prefill or verify), extending ``cache`` in place.
 
@@ -217,6 +218,8 @@ class TargetModel(nn.Module):
             input_ids: [B, T] new tokens, at positions cache_length .. cache_length+T-1.
             cache: from `new_cache`, or None for a stateless forward of the whole sequence.
             position_ids: optional [B, T]; default continues from the cache length.
+            attention_mask: optional 4-D bool [B, 1, T, cache_length + T] (True = attend), used as given
+                (a tree verification's ancestor mask); None = causal.
 
         Returns:
             (logits [B, T, V], features [B, T, n_feat * H]).
@@ -229,6 +232,7 @@ class TargetModel(nn.Module):
         out = self.hf(
             input_ids=input_ids,
             position_ids=position_ids,
+            attention_mask=attention_mask,
             use_cache=cache is not None,
             output_hidden_states=True,
             **kwargs,

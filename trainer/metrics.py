@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import sys
 from pathlib import Path
@@ -32,6 +33,33 @@ def _clean(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return _clean(value.tolist())
     return value
+
+
+# -- τ of an evaluation in a metrics record: one naming rule, read back by `dflashctl metrics` ---------------
+_TAU_KEY = re.compile(r"^tau_(chain|tree(\d+))(?:_t(\d+(?:\.\d+)?))?$")
+
+
+def _mode(budget: int | None, temperature: float) -> str:
+    mode = "chain" if budget is None else f"tree{budget}"
+    return mode if temperature == 0 else f"{mode}_t{temperature:g}"
+
+
+def tau_key(budget: int | None, temperature: float = 0.0) -> str:
+    """Record key of a real τ: ``tau_chain``, ``tau_tree64``, ``tau_chain_t0.7``, ``tau_tree64_t1``."""
+    return f"tau_{_mode(budget, temperature)}"
+
+
+def width_key(budget: int | None, temperature: float = 0.0) -> str:
+    """Record key of the mean tokens per verifying target forward of the same mode (``verify_tree64``)."""
+    return f"verify_{_mode(budget, temperature)}"
+
+
+def parse_tau_key(key: str) -> tuple[int | None, float] | None:
+    """(budget or None for the chain, temperature) of a `tau_key`, or None for any other key."""
+    m = _TAU_KEY.match(key)
+    if m is None:
+        return None
+    return (int(m.group(2)) if m.group(2) else None, float(m.group(3) or 0.0))
 
 
 class MetricsWriter:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 
@@ -19,8 +20,9 @@ from trainer.export import export_drafter
 from trainer.model import DFlashDrafter
 
 BS = 4
+REPO = Path(__file__).resolve().parents[2]
 # The checked-in remote code (the export must ship exactly these bytes).
-REFERENCE_CODE = Path(__file__).resolve().parents[2] / "trainer" / "reference" / "dflash.py"
+REFERENCE_CODE = REPO / "trainer" / "reference" / "dflash.py"
 
 
 def _drafter(target, layers=5, seed=0):
@@ -172,3 +174,46 @@ def test_export_from_the_bundle_zip(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "['config.json', 'dflash.py', 'model.safetensors']"
     assert (tmp_path / "export" / "dflash.py").read_bytes() == REFERENCE_CODE.read_bytes()
+
+
+# -- the published decode loop: transformers' own DynamicCache, under 5.x and 4.57 ------------------------
+TF457 = "/tmp/tf457"
+TF457_BUILD = (
+    f"uv venv --system-site-packages --python python3 {TF457} && "
+    f"uv pip install --python {TF457}/bin/python 'transformers==4.57.*'"
+)
+
+
+def _tf457_python() -> str:
+    """The interpreter with transformers 4.57 (over this one's other packages) that .ci/run builds."""
+    python = os.environ.get("DFLASH_TF457_PYTHON") or f"{TF457}/bin/python"
+    if Path(python).exists():
+        return python
+    message = f"no transformers 4.57 interpreter at {python}; build it with: {TF457_BUILD}"
+    if os.environ.get("DFLASHCTL_CI"):
+        pytest.fail(message + " (.ci/run builds it: CI must run this test)")
+    pytest.skip(message)
+
+
+@pytest.mark.parametrize("interpreter", ["transformers 5", "transformers 4.57"])
+def test_published_decode_loop_runs_the_export_with_a_dynamic_cache(interpreter, tmp_path):
+    """The export loaded by AutoModel(trust_remote_code=True), driven as the published loop drives it (a
+    DynamicCache as past_key_values, cropped after each draft), spec_generate and our evaluation of the
+    bf16 file: the same tokens (the target's greedy ones) and the same acceptance lengths."""
+    python = sys.executable if interpreter == "transformers 5" else _tf457_python()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [python, str(Path(__file__).with_name("published_loop.py")), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["transformers"].startswith("5." if interpreter == "transformers 5" else "4.57.")
+    assert result["dtype"] == "torch.bfloat16"
+    accepted = 0
+    for p in result["prompts"]:
+        assert p["published"] == p["spec_generate"] == p["ours"] == p["greedy"]
+        assert p["published_lens"] == p["spec_generate_lens"]
+        assert p["ours_tau"] == pytest.approx(sum(p["published_lens"]) / len(p["published_lens"]))
+        accepted += sum(n > 1 for n in p["published_lens"])
+    assert accepted >= 4  # rounds that kept drafts: the crop after a partial acceptance was exercised

@@ -1,7 +1,8 @@
 """DFlash draft model: remote code shipped next to exported weights.
 
 Load with ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` (config.json's ``auto_map`` points here).
-Self-contained: imports only torch and transformers (written for transformers 5.x; 4.57 should work too).
+Self-contained: imports only torch and transformers; tested under transformers 4.57 and 5.x. Its cache is
+transformers' own ``DynamicCache`` (``update(key, value, layer_idx)``, cropped after drafting).
 
 Layout (unprefixed ``model.safetensors``): ``fc`` [H, n_feat*H], ``hidden_norm``, ``norm`` and per layer
 ``layers.i.self_attn.{q,k,v,o}_proj``, ``layers.i.self_attn.{q,k}_norm``, ``layers.i.mlp.{gate,up,down}_proj``,
@@ -77,25 +78,6 @@ def _apply_rope(x, cos, sin):
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
-class DFlashContextCache:
-    """Per-layer K/V of committed context positions (the block's own K/V are never kept)."""
-
-    def __init__(self, num_layers):
-        self.keys = [None] * num_layers
-        self.values = [None] * num_layers
-
-    def get_seq_length(self):
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
-
-    def update(self, layer, k, v):
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        elif k.shape[2]:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-        return self.keys[layer], self.values[layer]
-
-
 class DFlashAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -122,11 +104,13 @@ class DFlashAttention(nn.Module):
         q = self.q_proj(hidden_states).view(b, q_len, self.num_heads, self.head_dim)
         q = _apply_rope(self.q_norm(q).transpose(1, 2), *rope_q)
         k_ctx, v_ctx = self._kv(target_hidden, *rope_ctx)
-        if cache is not None:
-            k_ctx, v_ctx = cache.update(self.layer_idx, k_ctx, v_ctx)
         k_noise, v_noise = self._kv(hidden_states, *rope_q)
         k = torch.cat([k_ctx, k_noise], dim=2)
         v = torch.cat([v_ctx, v_noise], dim=2)
+        if cache is not None:
+            # transformers' Cache API: update(key, value, layer_idx) appends and returns everything cached.
+            # The block's own K/V go in too; the caller crops them away after drafting (crop to `start`).
+            k, v = cache.update(k, v, self.layer_idx)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # GQA without relying on SDPA's enable_gqa (older torch)
             k = k.repeat_interleave(groups, dim=1)
@@ -194,7 +178,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             target_hidden: [B, S, n_feat*H] raw target features of the (new) context positions.
             position_ids: [B, S + Q] positions of the context then of the block.
             attention_mask: optional bool [B, 1, Q, S_total + Q] (True = attend); None = all visible.
-            past_key_values: optional DFlashContextCache, extended with this context.
+            past_key_values: optional transformers Cache (e.g. ``DynamicCache()``): the context and block K/V
+                are appended with ``update(key, value, layer_idx)``; crop it back to the block start afterwards
+                (``draft_block`` does) so the next call appends only newly committed context.
 
         Returns:
             [B, Q, H] final-normed hidden states (apply the target's lm_head for logits).
@@ -209,6 +195,44 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             x = layer(x, ctx, rope_ctx, rope_q, attention_mask, past_key_values)
         return self.norm(x)
 
+    @staticmethod
+    def crop_cache(cache, length):
+        """Keep the first ``length`` positions of a transformers Cache.
+
+        Only the negative form of ``crop`` ("drop that many from the end") means the same in transformers 4.57
+        and 5.x; 5.x refuses a positive argument.
+        """
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
+
+    def draft_block(self, target, token, start, context, context_pos, cache, block_size=None):
+        """Draft logits for the block that starts at ``start`` with the committed ``token``.
+
+        Args:
+            target: the target model (its embedding and LM head are borrowed).
+            token: the committed token at position ``start`` (an int).
+            start: the block's first position.
+            context: [1, n, n_feat*H] target features of the positions committed since the last call.
+            context_pos: [1, n] their positions (all < start).
+            cache: a transformers ``DynamicCache`` owned by the caller, one per prompt.
+            block_size: test-time block (default: the trained one).
+
+        Returns:
+            [bs - 1, V] float32 logits for positions start+1 .. start+bs-1. The cache holds the context up to
+            ``start`` afterwards (the block's own K/V are cropped away).
+        """
+        bs = block_size or self.block_size
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        dev = embed.weight.device
+        block = torch.full((1, bs), int(self.mask_token_id), dtype=torch.long, device=dev)
+        block[0, 0] = token
+        pos = torch.cat([context_pos.to(dev), torch.arange(start, start + bs, device=dev)[None]], dim=1)
+        hidden = self(embed(block), context, pos, past_key_values=cache)
+        self.crop_cache(cache, start)
+        w = head.weight
+        return F.linear(hidden[0, 1:].to(w.dtype), w).float()
+
     @torch.no_grad()
     def spec_generate(
         self,
@@ -222,12 +246,17 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     ):
         """Greedy speculative decoding of one prompt with ``target`` (an HF causal LM).
 
+        Rounds continue while fewer than ``max_new_tokens`` tokens have gone through a verify round (the
+        token from the prefill counts only once verified), then the output is cut to prompt +
+        ``max_new_tokens`` tokens and after the first stop token: the counting of the published DFlash
+        benchmark. The acceptance length of a round is accepted drafts + 1.
+
         Args:
             target: the target model (its embedding and LM head are used by the drafter).
             input_ids: [1, P] prompt.
             max_new_tokens: tokens to generate.
-            stop_token_ids: stop after committing one of these.
-            temperature: only 0 (greedy) is implemented.
+            stop_token_ids: stop after a round that committed one of these.
+            temperature: only 0 (greedy) is implemented here.
             block_size: test-time block, default the trained one.
             return_stats: also return the acceptance length of every round.
 
@@ -244,12 +273,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             raise ValueError("spec_generate decodes one prompt at a time (batch size 1)")
         bs = block_size or self.block_size
         stop = set(stop_token_ids or [])
-        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
         cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-        dev = embed.weight.device
+        dev = target.get_input_embeddings().weight.device
         input_ids = input_ids.to(dev)
         prompt_len = input_ids.shape[1]
-        tcache = DynamicCache()
+        tcache, dcache = DynamicCache(), DynamicCache()
 
         def verify(ids, start):
             pos = torch.arange(start, start + ids.shape[1], device=dev)[None]
@@ -259,34 +287,30 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         logits, feats = verify(input_ids, 0)
         tokens = [int(logits[0, -1].argmax())]
         accept_lens = []
-        dcache = DFlashContextCache(len(self.layers))
         new_feats, new_pos = feats, torch.arange(prompt_len, device=dev)[None]
         start = prompt_len
-        while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-            block = torch.full((1, bs), int(self.mask_token_id), dtype=torch.long, device=dev)
-            block[0, 0] = tokens[-1]
+        while start < prompt_len + max_new_tokens:
+            block = [tokens[-1]]
             if bs > 1:
-                pos = torch.cat([new_pos, torch.arange(start, start + bs, device=dev)[None]], dim=1)
-                hidden = self(embed(block), new_feats, pos, past_key_values=dcache)
-                w = head.weight
-                block[0, 1:] = F.linear(hidden[:, 1:].to(w.dtype), w).argmax(-1)[0].to(dev)
-            logits, feats = verify(block, start)
-            verdict = logits[0].argmax(-1)
+                drafts = self.draft_block(target, tokens[-1], start, new_feats, new_pos, dcache, bs)
+                block += drafts.argmax(-1).tolist()
+            logits, feats = verify(torch.tensor([block], device=dev), start)
+            verdict = logits[0].argmax(-1).tolist()
             n = 0
-            while n < bs - 1 and int(block[0, n + 1]) == int(verdict[n]):
+            while n < bs - 1 and block[n + 1] == verdict[n]:
                 n += 1
             accept_lens.append(n + 1)
-            # A negative crop means "drop that many from the end" in transformers 4.57 and 5.x alike.
-            extra = tcache.get_seq_length() - (start + n + 1)
-            if extra > 0:
-                tcache.crop(-extra)
+            self.crop_cache(tcache, start + n + 1)
+            tokens += block[1 : n + 1] + [verdict[n]]
             new_feats = feats[:, : n + 1]
             new_pos = torch.arange(start, start + n + 1, device=dev)[None]
             start += n + 1
-            for tok in block[0, 1 : n + 1].tolist() + [int(verdict[n])]:
-                tokens.append(tok)
-                if tok in stop:
-                    break
+            if stop & set(tokens):
+                break
         tokens = tokens[:max_new_tokens]
-        out = torch.cat([input_ids, torch.tensor([tokens], device=dev)], dim=1)
+        for i, tok in enumerate(tokens):
+            if tok in stop:
+                tokens = tokens[: i + 1]
+                break
+        out = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=dev)], dim=1)
         return (out, accept_lens) if return_stats else out
