@@ -1,12 +1,13 @@
-"""`python -m trainer train --config FILE` and `python -m trainer tiny [--out DIR]`.
+"""`python -m trainer train --config FILE`, `python -m trainer tiny [--out DIR]`, `python -m trainer eval ...`.
 
-Thin: parse flags, make one call into `trainer.train`, print the outcome. Exit codes: 0 done, 2 bad
-config or data (the message says what to fix), 1 anything else (with the traceback).
+Thin: parse flags, make one call into `trainer.train` / `trainer.evaluate`, print the outcome. Exit codes:
+0 done, 2 bad config, data or arguments (the message says what to fix), 1 anything else (with the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -20,13 +21,74 @@ def _parser() -> argparse.ArgumentParser:
     y.add_argument("--out", default="runs/tiny", help="run directory (default: runs/tiny)")
     y.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     y.add_argument("--seed", type=int, default=0, help="seed for the drafter, data order and anchors")
+    e = sub.add_parser(
+        "eval", help="τ of an exported drafter against its target: chain and DDTree budgets, greedy and sampled"
+    )
+    e.add_argument("--export", required=True, help="exported drafter directory (config.json, model.safetensors, dflash.py)")
+    e.add_argument("--target", required=True, help="the target's HF model directory (with its tokenizer)")
+    e.add_argument("--prompts", action="append", required=True, help="jsonl of held-out conversations; repeatable")
+    e.add_argument("--budgets", default="16,32,64,128", help="DDTree node budgets, comma-separated ('' = chain only)")
+    e.add_argument("--temperatures", default="0,0.7,1", help="comma-separated; 0 = greedy (default: 0,0.7,1)")
+    e.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default: 256)")
+    e.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    e.add_argument("--seed", type=int, default=0, help="seed of the sampling at T > 0")
+    e.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
+    e.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    e.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
+    e.add_argument("--json", dest="json_out", help="also write the full report (per prompt, histograms) here")
     return p
+
+
+def _numbers(text: str, kind, flag: str, example: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated numbers, e.g. {flag} {example}") from None
+
+
+def _eval(args) -> int:
+    import torch
+    from pydantic import ValidationError
+
+    from trainer.config import EvalConfig
+    from trainer.evaluate import evaluate_export
+
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--chat-template-kwargs is not JSON ({exc}); e.g. '{{\"enable_thinking\": false}}'") from None
+    try:
+        cfg = EvalConfig(
+            budgets=_numbers(args.budgets, int, "--budgets", "16,32,64,128"),
+            temperatures=_numbers(args.temperatures, float, "--temperatures", "0,0.7,1"),
+            seed=args.seed,
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ValueError(f"--{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}") from None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    report = evaluate_export(
+        args.export, args.target, args.prompts, cfg, max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts,
+        device=device, target_dtype=getattr(torch, args.target_dtype), chat_template_kwargs=kwargs,
+    )
+    print(report.table(), flush=True)
+    print(f"τ {report.tau:.3f} (greedy chain, {args.export})", flush=True)
+    if args.json_out:
+        print(f"wrote {report.save(args.json_out)}", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from trainer.config import ConfigError, load_config
     from trainer.data import DataError
+
+    if args.command == "eval":
+        try:
+            return _eval(args)
+        except ValueError as exc:  # ConfigError and DataError are ValueErrors too
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
     from trainer.train import TrainError, train
 
     try:
@@ -42,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
                 over["max_steps"] = args.max_steps
             cfg = tiny_train_config(args.out, **over)
         result = train(cfg)
+        if args.command == "tiny":
+            from trainer.tiny import evaluate_tiny_export
+
+            report = evaluate_tiny_export(cfg, result.export_dir)
+            print(report.table(), flush=True)
+            print(f"export τ {report.tau:.3f} (the bf16 file, greedy chain; {result.output_dir / 'export_eval.json'})")
     except (ConfigError, DataError, TrainError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -266,3 +266,28 @@ def tiny_train_config(output_dir: str | Path, **overrides):
     }
     raw.update(overrides)
     return parse_config(raw, source="tiny experiment")
+
+
+def evaluate_tiny_export(cfg, export_dir: str | Path, log: Callable[[str], None] = print):
+    """τ of a tiny run's export (the bf16 file) against the tiny target, on its held-out prompts.
+
+    Every mode of ``cfg.evaluation`` (chain, DDTree budgets, temperatures), N = the response length the
+    target was regenerated with. The report is also written to ``<run>/export_eval.json``.
+
+    Args:
+        cfg: the tiny run's TrainConfig.
+        export_dir: its export directory.
+        log: one call per human progress line.
+
+    Returns:
+        The `trainer.evaluate.EvalReport`.
+    """
+    from trainer.evaluate import evaluate_export
+
+    assets = build_tiny(cfg.model.tiny_target, log=log)
+    report = evaluate_export(
+        export_dir, assets.target_dir, [str(assets.eval_file)], cfg.evaluation,
+        max_new_tokens=cfg.model.tiny_target.response_tokens,
+    )
+    report.save(Path(cfg.output_dir) / "export_eval.json")
+    return report

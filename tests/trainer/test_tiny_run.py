@@ -44,3 +44,11 @@ def test_tiny_experiment_learns_to_draft(tmp_path):
     assert final and final[0]["tau_after"] == pytest.approx(after["tau"])
     assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()
     assert "done:" in proc.stdout and "τ before" in proc.stdout
+    # the τ of the shipped artifact (the bf16 file through its remote code), every mode of `evaluation`
+    shipped = json.loads((out / "export_eval.json").read_text())
+    modes = {(r["budget"], r["temperature"]) for r in shipped["results"]}
+    assert modes == {(b, t) for b in (None, 16, 32, 64, 128) for t in (0.0, 0.7, 1.0)}
+    assert f"export τ {shipped['tau']:.3f}" in proc.stdout and "B=128" in proc.stdout
+    assert shipped["tau"] >= 2.0
+    greedy = {r["budget"]: r["tau"] for r in shipped["results"] if r["temperature"] == 0}
+    assert greedy[128] > greedy[16] > greedy[None], greedy  # DDTree: τ grows with the budget
