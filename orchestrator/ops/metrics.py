@@ -5,16 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.errors import AgentError, RunNotFound, UserError
+from trainer.metrics import parse_tau_key
 
-# Series drawn, in panel order, with the keys the trainer may use for them.
+# Series drawn, in panel order, with the keys the trainer may use for them (first key present wins).
 PANELS: list[tuple[str, tuple[str, ...]]] = [
     ("loss", ("loss",)),
     ("accuracy", ("acc", "accuracy")),
-    ("simulated τ", ("sim_accept_len", "tau", "sim_tau")),
+    ("simulated τ", ("sim_accept_len", "sim_tau")),
     ("tokens/s", ("tokens_per_s", "tok_per_s", "drafter_tokens_per_s")),
     ("memory MiB", ("mem_peak_mib", "mem_allocated_mib", "rss_mib", "mem_rss_mib")),
     ("recompiles", ("recompiles",)),
 ]
+# The training loss's simulated τ is drawn in one panel with the real τ of the evaluations (greedy chain and
+# DDTree budgets, keys named by trainer.metrics.tau_key; an older eval line's plain `tau` is the chain).
+TAU_PANEL = "τ: simulated (training) and real (evaluation)"
+MARKERS = "•x+o*#@%&"
 
 
 @dataclass
@@ -22,7 +27,9 @@ class MetricsSeries:
     run_id: str
     total_rows: int
     series: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
-    """panel title -> (steps, values)"""
+    """series name -> (steps, values)"""
+    panels: dict[str, list[str]] = field(default_factory=dict)
+    """panel title -> the series drawn in it"""
 
 
 def fetch_metrics(target, run_id: str | None = None, *, experiment: str | None = None, max_rows: int = 2000) -> MetricsSeries:
@@ -51,6 +58,25 @@ def _number(v) -> float | None:
     return None
 
 
+def _real_tau(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """Greedy real τ per mode from evaluation rows: {"τ chain": .., "τ tree B=16": ..}, chain first."""
+    found: dict[int | None, tuple[list[float], list[float]]] = {}
+    for i, row in enumerate(rows):
+        if row.get("kind") != "eval":
+            continue
+        keys = {k: parse_tau_key(k) for k in row}
+        if "tau" in row and not any(keys.values()):  # an eval line from before per-mode keys
+            keys = {"tau": (None, 0.0)}
+        for key, mode in keys.items():
+            v = _number(row[key]) if mode is not None and mode[1] == 0 else None
+            if v is not None:
+                xs, ys = found.setdefault(mode[0], ([], []))
+                xs.append(float(row.get("step", i)))
+                ys.append(v)
+    order = sorted(found, key=lambda b: -1 if b is None else b)
+    return {("τ chain" if b is None else f"τ tree B={b}"): found[b] for b in order}
+
+
 def series_from_rows(run_id: str, rows: list[dict], total: int | None = None) -> MetricsSeries:
     """Pick the known series out of metric rows; rows without a step use their index."""
     out = MetricsSeries(run_id, total if total is not None else len(rows))
@@ -66,6 +92,13 @@ def series_from_rows(run_id: str, rows: list[dict], total: int | None = None) ->
                     break
         if xs:
             out.series[title] = (xs, ys)
+            out.panels[title] = [title]
+    real = _real_tau(rows)
+    if real:
+        out.series.update(real)
+        sim = [k for k in ("simulated τ",) if k in out.panels]
+        out.panels.pop("simulated τ", None)
+        out.panels[TAU_PANEL] = sim + list(real)
     return out
 
 
@@ -75,10 +108,12 @@ def render_terminal(ms: MetricsSeries, width: int = 100, height: int = 12) -> st
 
     fig = plotext.figure
     parts = []
-    for title, (xs, ys) in ms.series.items():
+    for title, names in ms.panels.items():
         fig.clear()
-        fig.plot_size(width, height)
-        fig.draw(fig.signal(xs, ys))
+        fig.plot_size(width, max(height, 2 * len(names) + 8) if len(names) > 1 else height)  # room for the legend
+        for name, marker in zip(names, MARKERS):
+            line = fig.signal(*ms.series[name], marker=marker)
+            fig.draw(line.label(name) if len(names) > 1 else line)
         fig.title(f"{ms.run_id}: {title}")
         fig.label("step")
         parts.append(plotext.uncolorize(str(fig.build())))
@@ -103,11 +138,15 @@ def write_png(ms: MetricsSeries, path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--png needs matplotlib", fix="pip install matplotlib") from None
-    n = len(ms.series)
+    n = len(ms.panels)
     fig, axes = plt.subplots(n, 1, figsize=(8, 2.2 * n), sharex=True, squeeze=False)
-    for ax, (title, (xs, ys)) in zip(axes[:, 0], ms.series.items()):
-        ax.plot(xs, ys, linewidth=1.2)
-        ax.set_ylabel(title)
+    for ax, (title, names) in zip(axes[:, 0], ms.panels.items()):
+        for name in names:
+            ax.plot(*ms.series[name], linewidth=1.2, marker="o" if name != "simulated τ" else None, markersize=3,
+                    label=name)
+        if len(names) > 1:
+            ax.legend(fontsize=7, loc="best")
+        ax.set_ylabel("τ" if title == TAU_PANEL else title)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.suptitle(f"dflashctl metrics: {ms.run_id}")

@@ -85,3 +85,32 @@ def test_parse_records_counts_what_is_not_a_record():
 
     records, invalid = parse_records([b'{"step": 1}\n', b"\n", b"[1, 2]\n", b'{"step": \n', '{"step": 2}'])
     assert records == [{"step": 1}, {"step": 2}] and invalid == 2
+
+
+def test_real_tau_beside_simulated_tau(tmp_path):
+    """Evaluation lines (chain and DDTree budgets at T=0, named by trainer.metrics.tau_key) share the τ panel
+    with the training's simulated τ; sampled τ stays in the JSON only; an older eval line's `tau` is the chain."""
+    from orchestrator.ops.metrics import TAU_PANEL
+
+    rows = [{"kind": "train", "step": s, "loss": 2.0 - s / 100, "sim_tau": 1 + s / 100} for s in range(0, 101, 10)]
+    rows += [{"kind": "eval", "step": 0, "when": "before", "tau": 1.0}]
+    rows += [{"kind": "eval", "step": s, "tau": 1.5 + s / 100, "tau_chain": 1.5 + s / 100, "tau_tree16": 2 + s / 100,
+              "tau_tree64": 2.5 + s / 100, "tau_chain_t0.7": 1.2, "verify_tree16": 17.0} for s in (50, 100)]
+    ms = series_from_rows("r2", rows)
+    assert ms.panels[TAU_PANEL] == ["simulated τ", "τ chain", "τ tree B=16", "τ tree B=64"]
+    assert ms.series["τ chain"] == ([0.0, 50.0, 100.0], [1.0, 2.0, 2.5])
+    assert ms.series["τ tree B=64"] == ([50.0, 100.0], [3.0, 3.5])
+    assert ms.series["simulated τ"][1][-1] == 2.0 and "loss" in ms.panels
+    text = render_terminal(ms, width=80, height=10)
+    assert f"r2: {TAU_PANEL}" in text and "τ tree B=64" in text and "simulated τ" in text
+    png = tmp_path / "tau.png"
+    write_png(ms, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_downsampling_keeps_every_eval_line(target, tmp_path):
+    rows = [{"kind": "train", "step": i, "loss": 1.0} for i in range(500)]
+    rows[333:333] = [{"kind": "eval", "step": 333, "tau_chain": 2.0, "tau_tree32": 3.0}]
+    _write_run(tmp_path, "tiny-20261130T000001Z", rows)
+    ms = fetch_metrics(target, "tiny-20261130T000001Z", max_rows=20)
+    assert ms.series["τ tree B=32"] == ([333.0], [3.0]) and len(ms.series["loss"][0]) <= 20

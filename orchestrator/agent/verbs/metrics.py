@@ -1,5 +1,5 @@
 """`metrics`: the rows of runs/<run-id>/metrics.jsonl (or the newest run of an experiment), downsampled
-evenly to at most `max_rows` (first and last kept).
+evenly to at most `max_rows` (first and last kept). Evaluation rows (τ) are few and never dropped.
 
 A torn last line (the trainer is writing it right now) is skipped, not an error.
 """
@@ -28,5 +28,6 @@ def run(request: dict, emit) -> dict:
     total = len(rows)
     if total > max_rows > 1:
         stride = (total - 1) / (max_rows - 1)
-        rows = [rows[round(i * stride)] for i in range(max_rows)]
+        keep = {round(i * stride) for i in range(max_rows)}
+        rows = [r for i, r in enumerate(rows) if i in keep or r.get("kind") == "eval"]
     return {"run_id": ref.run_id, "rows": rows, "total": total, "bad_lines": bad}
