@@ -3,6 +3,11 @@
 The orchestrator follows this file while training runs (and compares runs), so every line must be a
 complete JSON object the moment it becomes visible: each record is serialised first and written with a
 single `write` + flush + fsync on a file opened in append mode.
+
+When the `tensorboard` package is installed (the optional extra), the same records also go to TensorBoard
+event files in `<run>/tensorboard/` (torch's own SummaryWriter), so `tensorboard --logdir <run>` shows them:
+tag `<kind>/<key>` (`train/loss`, `eval/tau_tree64`), a list as one tag per element, and a "τ" chart of the
+training's simulated τ beside the evaluations' real τ.
 """
 
 from __future__ import annotations
@@ -62,6 +67,45 @@ def parse_tau_key(key: str) -> tuple[int | None, float] | None:
     return (int(m.group(2)) if m.group(2) else None, float(m.group(3) or 0.0))
 
 
+class _TensorBoard:
+    """TensorBoard event files of the metrics records (torch.utils.tensorboard.SummaryWriter)."""
+
+    def __init__(self, log_dir: Path, purge_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: events at or after it, logged by a killed process after the checkpoint this run resumes
+        # from, are hidden by the viewer (metrics.jsonl drops the same records with rewind_metrics).
+        self._w = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        if purge_step is None:
+            self._w.add_custom_scalars(
+                {"τ": {"simulated (train) and real (eval)": ["Multiline", ["train/sim_tau", r"eval/tau_(chain|tree\d+)$"]]}}
+            )
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            return
+        kind = str(record.get("kind", "train"))
+        when = record.get("time") if isinstance(record.get("time"), (int, float)) else None
+        for key, value in record.items():
+            if key in ("step", "time", "kind"):
+                continue
+            values = value if isinstance(value, list) else [value]
+            for i, v in enumerate(values):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    tag = f"{kind}/{key}" if not isinstance(value, list) else f"{kind}/{key}/{i}"
+                    self._w.add_scalar(tag, v, global_step=step, walltime=when)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+def _last_step(path: Path) -> int | None:
+    steps = [r["step"] for r in read_metrics(path) if isinstance(r.get("step"), int)]
+    return max(steps) if steps else None
+
+
 class MetricsWriter:
     """Appends one JSON object per line to a file, flushed and fsynced per line.
 
@@ -70,15 +114,33 @@ class MetricsWriter:
             so a resumed run continues the same file).
         echo: also print a short human line to stdout per record (the orchestrator tees stdout to
             train.log).
+        tensorboard: also write TensorBoard events to `tensorboard/` beside the file: None = when the
+            `tensorboard` package is installed, True = always (an error without it), False = never.
+
+    Raises:
+        RuntimeError: tensorboard=True without the `tensorboard` package.
     """
 
-    def __init__(self, path: str | Path, echo: bool = False):
+    def __init__(self, path: str | Path, echo: bool = False, tensorboard: bool | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.echo = echo
+        self._tb = self._open_tensorboard(tensorboard)
         # Append mode: the OS positions every write at the end, so a concurrent reader sees whole lines.
         self._f = open(self.path, "a", encoding="utf-8")
         self._repair_tail()
+
+    def _open_tensorboard(self, wanted: bool | None) -> _TensorBoard | None:
+        if wanted is False:
+            return None
+        try:
+            import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
+        except ImportError:
+            if wanted:
+                raise RuntimeError("TensorBoard events need the tensorboard package: pip install tensorboard") from None
+            return None
+        last = _last_step(self.path) if self.path.exists() else None
+        return _TensorBoard(self.path.parent / "tensorboard", None if last is None else last + 1)
 
     def _repair_tail(self) -> None:
         """If a previous process died mid-line (should not happen, but disks lie), end that line first.
@@ -107,12 +169,17 @@ class MetricsWriter:
         self._f.write(line)
         self._f.flush()
         os.fsync(self._f.fileno())
+        if self._tb is not None:
+            self._tb.write(_clean(record))
         if self.echo:
             print(format_human(record), flush=True)
 
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
     def __enter__(self) -> "MetricsWriter":
         return self
