@@ -85,7 +85,7 @@ def build_tree(log_q: torch.Tensor, root: int, budget: int, top_k: int | None = 
     tree = DraftTree([root], [-1], [0], [0.0], [{}])
     if budget == 0 or depth_limit == 0:
         return tree
-    top_lp, top_ids = (t.tolist() for t in torch.topk(log_q.float(), k, dim=-1))
+    top_lp, top_ids = (t.tolist() for t in torch.topk(log_q.float(), k, dim=-1))  # only k per row leave the device
     # Frontier entries: (-score, tie-break counter, parent entry, depth, rank at that depth).
     frontier = [(-top_lp[0][0], 0, 0, 1, 0)]
     counter = 1
@@ -123,7 +123,7 @@ def ancestor_mask(tree: DraftTree) -> torch.Tensor:
 
 
 def verify_inputs(
-    tree: DraftTree, start: int, past_len: int, device: torch.device | str = "cpu"
+    tree: DraftTree, start: int, past_len: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input ids, positions and attention mask of the one target forward that verifies ``tree``.
 
@@ -132,15 +132,19 @@ def verify_inputs(
         start: position of the root.
         past_len: entries in the target's cache before the tree (the committed prefix, == start).
         device: where to build them.
+        dtype: the target's compute dtype (of the mask).
 
     Returns:
-        ids [1, n], position_ids [1, n], attention mask [1, 1, n, past_len + n] (bool, True = attend).
+        ids [1, n], position_ids [1, n], attention mask [1, 1, n, past_len + n]: additive, 0 where an entry
+        may attend and the dtype's minimum elsewhere. Additive, not bool: transformers hands a 4-D mask to the
+        attention function as given, and its eager attention adds it to the scores (a bool would add 1).
     """
     n = len(tree)
     ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
     pos = torch.tensor([tree.depths], dtype=torch.long, device=device) + start
-    mask = torch.cat([torch.ones(n, past_len, dtype=torch.bool), ancestor_mask(tree)], dim=1)
-    return ids, pos, mask.to(device)[None, None]
+    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool), ancestor_mask(tree)], dim=1).to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return ids, pos, mask[None, None]
 
 
 def walk(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:

@@ -21,7 +21,8 @@ acceptance length, and the token from the prefill counts only once a round has v
 The drafter is either the trainer's in-memory `DFlashDrafter` or the shipped artifact: the exported
 directory loaded with ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` (`load_export`), or the
 same remote code built in memory from the trainer's weights cast to the export dtype (`shipped_model`).
-Every committed token is the target's own choice, so the output equals plain target decoding.
+Every committed token is the target's own choice: greedy output equals plain greedy target decoding, and
+sampled output is distributed as the target's own sampling at that temperature.
 """
 
 from __future__ import annotations
@@ -59,10 +60,6 @@ class TauReport:
     budget: int | None = None
     temperature: float = 0.0
     verify_width: float = 0.0
-
-    @property
-    def mode(self) -> str:
-        return "chain" if self.budget is None else f"tree B={self.budget}"
 
     def to_dict(self) -> dict:
         return {
@@ -208,9 +205,9 @@ def _tree_round(target, cache, root, q_logits, start, budget, top_k, temperature
     if q_logits is None:
         log_q = torch.zeros(0, 1)
     else:
-        log_q = torch.log_softmax(q_logits.float() / (temperature if temperature > 0 else 1.0), dim=-1).cpu()
+        log_q = torch.log_softmax(q_logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
     tree = build_tree(log_q, root, budget, top_k)
-    ids, pos, mask = verify_inputs(tree, start, start, target.device)
+    ids, pos, mask = verify_inputs(tree, start, start, target.device, target.hf.dtype)
     logits, feats = target.logits_and_features(ids, cache, position_ids=pos, attention_mask=mask)
     entries, nxt = walk(tree, choose(logits[0], temperature, gen).tolist())
     keep_path(cache, start, entries)
@@ -233,6 +230,15 @@ def _block_size(drafter, block_size: int | None) -> int:
     if not 1 <= bs <= drafter.block_size:
         raise ValueError(f"block_size {bs} must be in 1..{drafter.block_size} (the drafter's trained block)")
     return bs
+
+
+def _check_tree_attention(target) -> None:
+    impl = getattr(target.config, "_attn_implementation", None) or "sdpa"
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(
+            f"DDTree verification passes the target an ancestor-only 4-D attention mask, which its attention "
+            f"implementation {impl!r} does not take; load the target with attn_implementation='sdpa'"
+        )
 
 
 def _cut(tokens: list[int], n: int, stop: set[int]) -> list[int]:
@@ -282,6 +288,8 @@ def decode(
         raise ValueError("empty prompt: speculative decoding needs at least one prompt token")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if budget is not None:
+        _check_tree_attention(target)
     source, stop, dev = _draft_source(drafter, target), set(stop_token_ids or []), target.device
     was_training = getattr(drafter, "training", False)
     drafter.eval()
@@ -451,7 +459,7 @@ def shipped_model(drafter, target, dtype: torch.dtype = torch.bfloat16):
         model = DFlashDraftModel(cfg)
     state = {k: v.detach().to(dtype) for k, v in drafter.state_dict().items()}
     model.load_state_dict(state, assign=True, strict=True)
-    return model.to(drafter.device).eval()
+    return model.to(target.device).eval()  # evaluation runs where the target is (a split layout has both)
 
 
 def periodic_eval(

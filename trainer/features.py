@@ -218,8 +218,8 @@ class TargetModel(nn.Module):
             input_ids: [B, T] new tokens, at positions cache_length .. cache_length+T-1.
             cache: from `new_cache`, or None for a stateless forward of the whole sequence.
             position_ids: optional [B, T]; default continues from the cache length.
-            attention_mask: optional 4-D bool [B, 1, T, cache_length + T] (True = attend), used as given
-                (a tree verification's ancestor mask); None = causal.
+            attention_mask: optional 4-D [B, 1, T, cache_length + T] additive mask in the target's dtype, used
+                as given (a tree verification's ancestor mask, `trainer.ddtree.verify_inputs`); None = causal.
 
         Returns:
             (logits [B, T, V], features [B, T, n_feat * H]).

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import MASK_ID, small_model_config
+from conftest import MASK_ID, build_target, small_model_config
 from trainer.ddtree import ancestor_mask, build_tree, keep_path, verify_inputs, walk
 from trainer.evaluate import acceptance_length, greedy_generate
 from trainer.model import DFlashDrafter
@@ -78,10 +78,14 @@ def test_ancestor_mask_and_walk():
     assert walk(tree, choice) == (path, 12345)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3 eager"])
 def test_one_tree_forward_equals_a_forward_per_path(family, qwen3_target, llama_target):
-    """The ancestor mask against dense brute force: each entry verified by its own forward of prompt + path."""
-    target = qwen3_target if family == "qwen3" else llama_target
+    """The ancestor mask against dense brute force: each entry verified by its own forward of prompt + path.
+    Eager attention adds the mask to the scores (a bool mask there silently attended everywhere)."""
+    target = {"qwen3": qwen3_target, "llama": llama_target}.get(family)
+    if family == "qwen3 eager":
+        target = build_target("qwen3")
+        target.hf.set_attn_implementation("eager")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, MASK_ID, (1, 9), generator=g)
     tree = build_tree(torch.log_softmax(torch.randn(5, MASK_ID, generator=g) * 8, -1), root=7, budget=24)
@@ -167,3 +171,11 @@ def test_tau_grows_with_the_budget(trained, qwen3_target):
     means = [r.mean for r in taus]
     assert means == sorted(means) and means[-1] > chain.mean > means[0], (chain.mean, means)
     assert [r.verify_width for r in taus] == [2, 5, 17, 65]
+
+
+def test_tree_needs_an_attention_that_takes_a_4d_mask(trained):
+    drafter, prompts, _ = trained
+    target = build_target("qwen3")
+    target.hf.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="'flash_attention_2' does not take; load the target with attn_implementation='sdpa'"):
+        acceptance_length(drafter, target, prompts[:1], 8, budget=4)
