@@ -78,6 +78,18 @@ def _eval(args) -> int:
     return 0
 
 
+def _print_export_tau(cfg) -> None:
+    """The tiny run's last word: τ of its export (the bf16 file through its remote code), every mode."""
+    from pathlib import Path
+
+    from trainer.tiny import evaluate_tiny_export
+
+    out = Path(cfg.output_dir)
+    report = evaluate_tiny_export(cfg, out / "export")
+    print(report.table(), flush=True)
+    print(f"export τ {report.tau:.3f} (the bf16 file, greedy chain; {out / 'export_eval.json'})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from trainer.config import ConfigError, load_config
@@ -105,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = tiny_train_config(args.out, **over)
         result = train(cfg)
         if args.command == "tiny":
-            from trainer.tiny import evaluate_tiny_export
-
-            report = evaluate_tiny_export(cfg, result.export_dir)
-            print(report.table(), flush=True)
-            print(f"export τ {report.tau:.3f} (the bf16 file, greedy chain; {result.output_dir / 'export_eval.json'})")
+            _print_export_tau(cfg)
     except (ConfigError, DataError, TrainError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
