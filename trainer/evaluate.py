@@ -102,7 +102,10 @@ class EvalReport:
         return rec
 
     def to_dict(self) -> dict:
-        return {"tau": self.tau, "results": [r.to_dict() for r in self.reports]}
+        """The greedy chain's report at the top (the eval json's long-standing keys), every mode in "results"."""
+        chain = self.get(None, 0.0) or self.reports[0]
+        top = {k: v for k, v in chain.to_dict().items() if k in ("tau", "per_prompt", "histogram", "rounds")}
+        return {**top, "num_prompts": len(chain.per_prompt), "results": [r.to_dict() for r in self.reports]}
 
     def save(self, path: str | Path) -> Path:
         """Write `to_dict` as JSON, whole or not at all (temp file + rename)."""

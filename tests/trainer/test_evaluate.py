@@ -162,6 +162,9 @@ def test_periodic_eval_measures_the_shipped_bf16_artifact(qwen3_target, tmp_path
     assert rec["tau_tree8_t1"] == report.get(8, 1.0).mean and rec["verify_tree8"] == report.get(8).verify_width
     assert rec["verify_chain"] == BS
     assert "B=8" in report.table() and periodic_eval(drafter, qwen3_target, [], cfg, max_new_tokens=4) is None
+    d = report.to_dict()  # the eval json: the greedy chain at the top, every mode in results
+    assert d["tau"] == report.tau and d["per_prompt"] == report.get().per_prompt and d["num_prompts"] == 2
+    assert len(d["results"]) == 6 and d["results"][4]["budget"] == 2 and d["results"][4]["temperature"] == 1.0
 
 
 def test_load_export_names_a_wrong_directory(tmp_path):
