@@ -295,6 +295,12 @@ def _winner(hits: Iterable[tuple[Signature, dict]]) -> tuple[Signature, dict] | 
     return None if best is None else (best[1], best[2])
 
 
+def _same_tag(seg: str, prefix: str) -> bool:
+    """Whether `seg` starts with a tag of `prefix`'s shape with other numbers (`[rank3]: ` for `[rank5]: `):
+    another process's line interleaved with a tagged traceback, even before its first frame confirmed the tag."""
+    return re.match(re.sub(r"\d+", r"\\d+", re.escape(prefix)), seg) is not None
+
+
 class _Traceback:
     """The traceback being collected (possibly several chained ones)."""
 
@@ -377,12 +383,13 @@ class Matcher:
             if seg.startswith(tb.prefix):
                 tb.confirmed = True
                 body = seg[len(tb.prefix):]
-            elif not tb.confirmed:
+            elif not tb.confirmed and not _same_tag(seg, tb.prefix):
                 tb.prefix = ""  # not a repeated tag: text glued before the header
             elif tb.state != "frames" or tb.foreign >= _MAX_FOREIGN_LINES:
                 return self._close_then(seg)  # the tagged traceback has ended
             else:
-                # Another rank's (or process's) line interleaved with this traceback: match it alone.
+                # Another rank's (or process's) line interleaved with this traceback (before its first frame
+                # too: a tag of our tag's shape): match it alone.
                 tb.foreign += 1
                 return self._line_event(seg) if self.catalogue.prefilter.search(seg) else []
         return self._traceback_line(tb, seg, body)

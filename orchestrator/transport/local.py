@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from orchestrator.errors import ConnectError
 from orchestrator.transport.base import CommandTimeout, Result, StreamCallback
+from orchestrator.transport.quoting import check_argv
 
 _CHUNK = 65536
 _TAIL = 16384
@@ -59,6 +60,8 @@ class LocalTransport:
         on_stderr: StreamCallback | None = None,
     ) -> Result:
         argv = list(argv)
+        # A NUL byte is refused by name, as the remote transports refuse it (paths and bytes are fine here).
+        check_argv([a if isinstance(a, str) else os.fsdecode(a) for a in argv])
         start = time.monotonic()
         try:
             proc = subprocess.Popen(

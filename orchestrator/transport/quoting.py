@@ -15,16 +15,28 @@ def render(argv: Sequence[str]) -> str:
     """Render an argv list as one POSIX shell command line that the shell splits back into `argv`.
 
     Raises:
-        ValueError: an element is not a str, or contains a NUL byte (no shell can carry one).
+        ValueError: as `check_argv`.
     """
-    for arg in argv:
+    check_argv(argv)
+    return shlex.join(argv)
+
+
+def check_argv(argv: Sequence[str]) -> None:
+    """Refuse what no command line can carry, naming the element: every transport calls it (the local one
+    too, which never renders), so the refusal reads the same wherever the command was going.
+
+    Raises:
+        ValueError: argv is empty, an element is not a str, or an element contains a NUL byte (the kernel's
+            argv strings end at NUL, so no shell, ssh or exec can pass one on).
+    """
+    for i, arg in enumerate(argv):
         if not isinstance(arg, str):
             raise ValueError(f"argv elements must be str, got {type(arg).__name__}: {arg!r}")
         if "\x00" in arg:
-            raise ValueError(f"argv element contains a NUL byte: {arg!r}")
+            raise ValueError(f"argv element {i} contains a NUL byte, which no command line can carry: {arg!r} "
+                             "(pass such data on stdin or in a file)")
     if not argv:
         raise ValueError("empty argv")
-    return shlex.join(argv)
 
 
 def render_line(argv: Sequence[str]) -> str:
