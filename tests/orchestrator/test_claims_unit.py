@@ -1,0 +1,203 @@
+"""GPU claims and the per-experiment launch lock as units (orchestrator.agent.claims, runs.LaunchLock): real
+files, real flock, real processes for liveness; no launch. Fast, so the mutation run (tests/mutation/run.py)
+can use them; the races through real launches are in test_claims.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent import claims
+from orchestrator.agent import runs as agent_runs
+from orchestrator.agent.protocol import AgentFailure
+
+
+class Emit:
+    def __init__(self):
+        self.progress_calls: list[tuple[str, str]] = []
+
+    def progress(self, step: str, message: str) -> None:
+        self.progress_calls.append((step, message))
+
+
+def on_disk(workdir: Path) -> dict:
+    return json.loads((workdir / "locks" / claims.CLAIMS_NAME).read_text())
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def make_run(workdir: Path, run_id: str, ended: bool = False) -> None:
+    """A run directory as start_training.sh leaves it: its command's pid (this test process: alive), and
+    exit.json once it ended."""
+    run = workdir / "runs" / run_id
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": run_id, "experiment": run_id.split("-")[0]}))
+    (run / "pid").write_text(f"{os.getpid()}\n")
+    if ended:
+        (run / "exit.json").write_text(json.dumps({"exit_code": 0}))
+
+
+def test_a_claim_is_all_gpus_of_the_launch_and_names_this_process(tmp_path):
+    token = claims.claim(tmp_path, [1, 3], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    data = on_disk(tmp_path)
+    assert sorted(data) == ["1", "3"]
+    for entry in data.values():
+        assert entry["token"] == token and entry["phase"] == "launch" and entry["pid"] == os.getpid()
+        assert entry["run_id"] == "a-1" and entry["experiment"] == "a" and entry["since"].endswith("Z")
+    assert sorted(claims.held(tmp_path, [0, 1, 2, 3])) == [1, 3]
+    assert claims.held(tmp_path, [0, 2]) == {}
+
+
+def test_an_overlapping_claim_is_refused_naming_gpu_and_run_and_takes_nothing(tmp_path):
+    first = claims.claim(tmp_path, [1, 2], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    make_run(tmp_path, "a-1")
+    claims.promote(tmp_path, first, "a-1")  # a running run: refused at once, no waiting
+    emit = Emit()
+    with pytest.raises(AgentFailure) as info:
+        claims.claim(tmp_path, [2, 5], {"run_id": "b-1", "experiment": "b"}, emit, wait_s=30)
+    err = info.value
+    assert err.type == "GpuClaimed" and emit.progress_calls == []
+    assert err.message == "GPU 2 is held by run a-1 (experiment a), running"
+    assert err.fix.startswith("wait for run a-1 to end, or stop it (dflashctl stop a-1)")
+    assert err.data["gpus"] == [2]
+    assert sorted(on_disk(tmp_path)) == ["1", "2"]  # all or none: GPU 5 was not taken either
+    assert claims.claim(tmp_path, [0, 5], {"run_id": "c-1", "experiment": "c"}, Emit(), wait_s=0)  # disjoint: fine
+    assert sorted(on_disk(tmp_path)) == ["0", "1", "2", "5"]
+
+
+def test_a_launch_in_its_preflight_is_waited_for_then_refused_with_the_wait(tmp_path):
+    claims.claim(tmp_path, [4], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    emit = Emit()
+    with pytest.raises(AgentFailure) as info:
+        claims.claim(tmp_path, [4], {"run_id": "b-1", "experiment": "b"}, emit, wait_s=0.6)
+    assert info.value.message.startswith("GPU 4 is held by run a-1 (experiment a), launching since ")
+    assert info.value.message.endswith("(waited 1 s for its preflight)")
+    assert len(emit.progress_calls) == 1  # announced once, not once per poll
+    step, text = emit.progress_calls[0]
+    assert step == "gpus" and text.endswith("; waiting up to 1 s for its preflight") and "GPU 4" in text
+
+
+def test_two_holders_are_named_in_the_fix(tmp_path):
+    a = claims.claim(tmp_path, [0], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    b = claims.claim(tmp_path, [1], {"run_id": None, "experiment": "w"}, Emit(), wait_s=0)
+    make_run(tmp_path, "a-1")
+    claims.promote(tmp_path, a, "a-1")
+    with pytest.raises(AgentFailure) as info:
+        claims.claim(tmp_path, [0, 1], {"run_id": "c-1", "experiment": "c"}, Emit(), wait_s=0)
+    assert info.value.message == ("GPU 0 is held by run a-1 (experiment a), running; GPU 1 is held by the warm-up "
+                                  f"of experiment w, since {on_disk(tmp_path)['1']['since']} (pid {os.getpid()})")
+    assert info.value.fix.startswith("wait for runs (the warm-up of w), a-1 to end, or stop them")
+    claims.release(tmp_path, b)
+    assert sorted(on_disk(tmp_path)) == ["0"]
+
+
+def test_release_drops_only_this_launchs_claims_and_promote_passes_them_to_the_run(tmp_path):
+    a = claims.claim(tmp_path, [0, 1], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    b = claims.claim(tmp_path, [2], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
+    claims.promote(tmp_path, b, "b-1-2")
+    assert {k: (c["phase"], c["run_id"]) for k, c in on_disk(tmp_path).items()} == {
+        "0": ("launch", "a-1"), "1": ("launch", "a-1"), "2": ("run", "b-1-2")}
+    claims.release(tmp_path, a)
+    assert sorted(on_disk(tmp_path)) == ["2"]
+    claims.release(tmp_path, "no-such-token")
+    assert sorted(on_disk(tmp_path)) == ["2"]
+
+
+def _write_claims(workdir: Path, data: dict) -> None:
+    (workdir / "locks").mkdir(parents=True, exist_ok=True)
+    (workdir / "locks" / claims.CLAIMS_NAME).write_text(json.dumps(data))
+
+
+def test_stale_claims_are_dropped_by_the_next_claim(tmp_path):
+    me = claims.this_process()
+    make_run(tmp_path, "ended-1", ended=True)
+    make_run(tmp_path, "live-1")
+    _write_claims(tmp_path, {
+        "0": {"phase": "launch", "pid": dead_pid(), "token": "t0", "run_id": "x-1"},          # launcher died
+        "1": {"phase": "launch", "pid": me["pid"], "pid_start": me["pid_start"] - 100, "token": "t1"},  # pid reused
+        "2": {"phase": "run", "run_id": "ended-1", "token": "t2"},                           # run ended
+        "3": {"phase": "run", "run_id": "gone-1", "token": "t3"},                            # run dir deleted
+        "4": {"phase": "run", "run_id": "../etc", "token": "t4"},                            # not a run id
+        "5": {"phase": "launch", "pid": "42", "token": "t5"},                                # not a pid
+        "6": {"phase": "run", "run_id": "live-1", "token": "t6"},                            # still running
+    })
+    assert sorted(claims.held(tmp_path, list(range(8)))) == [6]
+    token = claims.claim(tmp_path, [0, 1, 2, 3, 4, 5], {"run_id": "n-1", "experiment": "n"}, Emit(), wait_s=0)
+    data = on_disk(tmp_path)
+    assert {k: c["token"] for k, c in data.items()} == {**{str(g): token for g in range(6)}, "6": "t6"}
+    with pytest.raises(AgentFailure, match="GPU 6 is held by run live-1"):
+        claims.claim(tmp_path, [6], {"run_id": "m-1", "experiment": "m"}, Emit(), wait_s=0)
+
+
+def test_a_claim_within_the_pid_start_tolerance_is_alive(tmp_path):
+    me = claims.this_process()
+    assert claims.claim_alive(tmp_path, {"phase": "launch", "pid": me["pid"], "pid_start": me["pid_start"] + 1.5})
+    assert claims.claim_alive(tmp_path, {"phase": "launch", "pid": me["pid"]})  # no start time: the pid decides
+    assert not claims.claim_alive(tmp_path, {"phase": "launch", "pid": me["pid"], "pid_start": me["pid_start"] + 3})
+
+
+# ------------------------------------------------------------------------------------------ the lock
+
+
+def test_the_launch_lock_is_one_holder_at_a_time_and_names_it(tmp_path):
+    first = agent_runs.LaunchLock(tmp_path, "exp")
+    holder = {"pid": 4242, "run_id": "exp-20260101T000000Z", "since": "2026-01-01T00:00:00Z"}
+    first.acquire(holder)
+    lock_file = tmp_path / "locks" / "exp.lock"
+    assert json.loads(lock_file.read_text()) == holder
+    second = agent_runs.LaunchLock(tmp_path, "exp")
+    with pytest.raises(AgentFailure) as info:
+        second.acquire({"pid": 1})
+    assert info.value.type == "LockHeld"
+    assert info.value.message == (f"another launch of experiment exp holds {lock_file}: pid 4242 launching run "
+                                  "exp-20260101T000000Z since 2026-01-01T00:00:00Z")
+    assert info.value.fix == "wait for it to finish, then check `dflashctl status`"
+    assert info.value.data == {"holder": holder, "lock": str(lock_file)}
+    other = agent_runs.LaunchLock(tmp_path, "other")  # another experiment: its own lock
+    other.acquire({"pid": 2})
+    other.release()
+    first.release()
+    assert lock_file.read_text() == "" and first.fd is None
+    second.acquire({"pid": 7})  # free again
+    assert json.loads(lock_file.read_text()) == {"pid": 7}
+    second.release()
+    first.release()  # a second release does nothing
+
+
+def test_the_lock_is_held_by_the_process_until_release_even_across_processes(tmp_path):
+    lock = agent_runs.LaunchLock(tmp_path, "exp")
+    lock.acquire({"pid": os.getpid(), "run_id": "r", "since": "s"})
+    probe = ("import sys; from orchestrator.agent import runs\n"
+             "try:\n    runs.LaunchLock(sys.argv[1], 'exp').acquire({'pid': 1})\n"
+             "except Exception as e:\n    print(type(e).__name__, e.type)\nelse:\n    print('acquired')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "AgentFailure LockHeld", out.stderr
+    lock.release()
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "acquired", out.stderr
+
+
+def test_a_holder_that_never_wrote_its_name_is_described(tmp_path):
+    (tmp_path / "locks").mkdir()
+    lock_file = tmp_path / "locks" / "exp.lock"
+    import fcntl
+
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(AgentFailure, match="a launch that has not written its name yet"):
+            agent_runs.LaunchLock(tmp_path, "exp").acquire({"pid": 1})
+    finally:
+        os.close(fd)
+    with pytest.raises(AgentFailure, match="bad experiment name"):
+        agent_runs.LaunchLock(tmp_path, "../x")
