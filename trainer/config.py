@@ -17,6 +17,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def default_gamma(block_size: int) -> float:
+    """γ from the paper for common block sizes (7/5/4 for 16/10/8), else block_size/2.3 (at least 1)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
+
+
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     """The reference formula: 1 feature -> [L//2]; else uniform between 1 and L-3 (inclusive).
 
@@ -266,9 +271,7 @@ class TrainConfig(_Strict):
     @property
     def resolved_gamma(self) -> float:
         """γ as given, else the paper's value for this block size (7/5/4 for 16/10/8, else bs/2.3)."""
-        if self.gamma is not None:
-            return self.gamma
-        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.model.block_size, max(1.0, self.model.block_size / 2.3))
+        return self.gamma if self.gamma is not None else default_gamma(self.model.block_size)
 
     @property
     def row_len(self) -> int:

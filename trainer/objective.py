@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.attention import build_mask
+from trainer.config import default_gamma  # re-exported: the one table of γ by block size
 
 
 @dataclass
@@ -308,11 +309,6 @@ def dflash_loss(
         n_blocks=n_blocks,
         weight_sum=w_sum.detach(),
     )
-
-
-def default_gamma(block_size: int) -> float:
-    """γ from the paper for common block sizes (7/5/4 for 16/10/8), else bs/2.3."""
-    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
 
 
 __all__ = [

@@ -19,11 +19,16 @@ from trainer.objective import (
     block_labels,
     dflash_loss,
     sample_anchors,
+    default_gamma,
     simulated_acceptance,
 )
 
 BS = 4
 GAMMA = 2.0
+# w_k = exp(-(k-1)/γ) for slots k = 2 and 3, worked out by hand for each γ the tests use: the paper's
+# γ = 7 for block 16 and this project's headline γ = 10 are far from the γ = 2 the other tests use.
+SLOT_WEIGHTS = {2.0: (math.exp(-0.5), math.exp(-1.0)), 10.0: (math.exp(-0.1), math.exp(-0.2)),
+                0.5: (math.exp(-2.0), math.exp(-4.0))}
 
 
 def _hand_batch(features: torch.Tensor | None = None) -> PackedBatch:
@@ -39,21 +44,22 @@ ANCHORS = torch.tensor([[2, 5, 9]])
 KEEP = torch.tensor([[True, True, True]])
 
 
-def test_labels_and_weights_by_hand():
-    labels, w = block_labels(_hand_batch(), ANCHORS, KEEP, BS, GAMMA)
+@pytest.mark.parametrize("gamma", sorted(SLOT_WEIGHTS))
+def test_labels_and_weights_by_hand(gamma):
+    labels, w = block_labels(_hand_batch(), ANCHORS, KEEP, BS, gamma)
     # slot k of the block at anchor a is labelled with the token AT a+k (same position, not a+k+1)
     assert labels[0, 0].tolist() == [12, 13, 14, 15]
     assert labels[0, 1].tolist() == [15, 16, 17, 18]
     assert labels[0, 2, :3].tolist() == [19, 20, 21]
-    e = math.exp
+    w2, w3 = SLOT_WEIGHTS[gamma]
     expected = [
-        [0.0, 1.0, e(-0.5), e(-1.0)],  # anchor 2: slots 1..3 are assistant tokens of doc 0
-        [0.0, 0.0, e(-0.5), 0.0],  # anchor 5: pos 6 is a user token, pos 8 is the next document
-        [0.0, 1.0, e(-0.5), 0.0],  # anchor 9: pos 12 is past the row
+        [0.0, 1.0, w2, w3],  # anchor 2: slots 1..3 are assistant tokens of doc 0
+        [0.0, 0.0, w2, 0.0],  # anchor 5: pos 6 is a user token, pos 8 is the next document
+        [0.0, 1.0, w2, 0.0],  # anchor 9: pos 12 is past the row
     ]
     assert torch.allclose(w[0], torch.tensor(expected))
     # a padded block has no weight at all
-    _, w_pad = block_labels(_hand_batch(), ANCHORS, torch.tensor([[True, False, True]]), BS, GAMMA)
+    _, w_pad = block_labels(_hand_batch(), ANCHORS, torch.tensor([[True, False, True]]), BS, gamma)
     assert w_pad[0, 1].sum() == 0 and torch.equal(w_pad[0, 0], w[0, 0])
 
 
@@ -66,19 +72,21 @@ def test_block_inputs_by_hand():
     assert pos[0, 12:].tolist() == [2, 3, 4, 5, 5, 6, 7, 8, 1, 2, 3, 4]
 
 
-def test_loss_is_the_weighted_mean_of_slot_cross_entropies(qwen3_target):
+@pytest.mark.parametrize("gamma", sorted(SLOT_WEIGHTS))
+def test_loss_is_the_weighted_mean_of_slot_cross_entropies(qwen3_target, gamma):
     torch.manual_seed(0)
     drafter = DFlashDrafter.from_target(small_model_config(), qwen3_target, MASK_ID)
     ids = torch.randint(0, MASK_ID, (1, 12))
     batch = _hand_batch(qwen3_target.features(ids))
-    out = dflash_loss(drafter, batch, num_anchors=3, gamma=GAMMA, anchors=(ANCHORS, KEEP))
+    out = dflash_loss(drafter, batch, num_anchors=3, gamma=gamma, anchors=(ANCHORS, KEEP))
 
     noise, pos = block_inputs(batch, ANCHORS, KEEP, BS, MASK_ID)
     hidden = drafter(noise, batch.target_hidden, pos, dense_mask(ANCHORS, KEEP, batch.doc_ids, BS))
     logp = F.log_softmax(drafter.logits(hidden).float(), -1).view(3, BS, -1)
     # (block, slot, label, weight) written out by hand
-    terms = [(0, 1, 13, 1.0), (0, 2, 14, math.exp(-0.5)), (0, 3, 15, math.exp(-1.0)),
-             (1, 2, 17, math.exp(-0.5)), (2, 1, 20, 1.0), (2, 2, 21, math.exp(-0.5))]  # fmt: skip
+    w2, w3 = SLOT_WEIGHTS[gamma]
+    terms = [(0, 1, 13, 1.0), (0, 2, 14, w2), (0, 3, 15, w3),
+             (1, 2, 17, w2), (2, 1, 20, 1.0), (2, 2, 21, w2)]  # fmt: skip
     num = sum(-w * logp[b, k, y] for b, k, y, w in terms)
     den = sum(w for *_, w in terms)
     assert torch.allclose(out.loss, num / den, atol=1e-5)
@@ -189,3 +197,9 @@ def test_bad_inputs_are_named():
         PackedBatch(torch.zeros(1, 4), torch.zeros(1, 5), torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1, 4, 8))
     with pytest.raises(ValueError, match="num_anchors"):
         sample_anchors(_hand_batch(), 0, BS)
+
+
+def test_default_gamma_is_the_papers_table_else_block_over_2_3():
+    assert [default_gamma(bs) for bs in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert default_gamma(23) == pytest.approx(10.0) and default_gamma(4) == pytest.approx(4 / 2.3)
+    assert default_gamma(2) == 1.0  # bs/2.3 = 0.87 is raised to 1
