@@ -60,10 +60,21 @@ def test_layout_58_tensors_and_config_fields(qwen3_target, tmp_path):
     assert (out / "dflash.py").read_bytes() == REFERENCE_CODE.read_bytes()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_reload_drafts_the_same_tokens(family, qwen3_target, llama_target, tmp_path):
-    target = qwen3_target if family == "qwen3" else llama_target
+@pytest.fixture(scope="module")
+def qwen3_rope_1e6_target():
+    """A Qwen3 target with RoPE base 1e6 (Qwen3's real models use 1e6; the other fixtures the default 1e4)."""
+    from conftest import build_target
+
+    return build_target("qwen3", layers=6, layer_ids=(1, 2, 3), rope_theta=1e6)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3-rope-1e6"])
+def test_reload_drafts_the_same_tokens(family, qwen3_target, llama_target, qwen3_rope_1e6_target, tmp_path):
+    target = {"qwen3": qwen3_target, "llama": llama_target, "qwen3-rope-1e6": qwen3_rope_1e6_target}[family]
     drafter = _drafter(target, layers=2)
+    # The RoPE base travels target -> drafter -> config.json -> the loaded model: a non-default one too.
+    theta = 1e6 if family == "qwen3-rope-1e6" else 10000.0
+    assert target.rope_theta == drafter.cfg.rope_theta == theta
     # sharpen the drafter so its drafts are not near-ties
     with torch.no_grad():
         drafter.norm.weight.mul_(4.0)
@@ -71,6 +82,8 @@ def test_reload_drafts_the_same_tokens(family, qwen3_target, llama_target, tmp_p
     model = _load(out)
     assert type(model).__name__ == "DFlashDraftModel"
     assert model.block_size == BS and model.mask_token_id == MASK_ID
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == model.rope_theta == theta
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, MASK_ID, (1, 30), generator=g)
