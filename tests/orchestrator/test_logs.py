@@ -7,6 +7,7 @@ Proxmox host is severed (container target).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import pytest
 
 from orchestrator.agent import tmuxctl
 from orchestrator.errors import RunNotFound
-from orchestrator.ops.logs import Backoff, FollowOutcome, LogHealth, follow, resolve
+from orchestrator.ops.logs import Backoff, LogHealth, follow, resolve
 from orchestrator.target import LocalTarget
 from orchestrator.transport.local import LocalTransport
 from orchestrator.transport.quoting import render
@@ -173,42 +174,40 @@ def test_a_later_run_in_the_same_session_name_does_not_keep_an_old_run_alive(tmp
     assert follow(local_target(tmp_path), "r-new", follow=False).state == "running"
 
 
-class _Sig:
-    def __init__(self, sid: str, severity: str):
-        self.id, self.severity = sid, severity
+FIXTURES = ROOT / "tests" / "fixtures" / "signatures"
+CAT = [sys.executable, "-c", "import sys; sys.stdout.write(open(sys.argv[1]).read()); sys.exit(int(sys.argv[2]))"]
 
 
-class _Match:
-    def __init__(self, sig: _Sig, line: str):
-        self.signature, self.line = sig, line
+@pytest.mark.parametrize("fixture, signature, code", [
+    ("cuda-oom", "cuda-oom", 2),  # fatal: the run died of a known cause
+    ("nan-loss", "nan-loss", 2),  # error: the run is wrong, and that is why it failed
+    ("dynamo-recompile-limit", "dynamo-recompile-limit", 1),  # a warning alone does not explain a failure
+])
+def test_a_failed_runs_exit_code_follows_the_severity_of_what_matched(tmp_path, fixture, signature, code):
+    """A run that prints a real log (the catalogue's fixture) and exits 1, followed with the real matcher and
+    catalogue, as `logs` follows it."""
+    from orchestrator.signatures import Matcher, load_catalogue
 
-    def to_dict(self) -> dict:
-        return {"id": self.signature.id, "severity": self.signature.severity, "line": self.line}
-
-
-class LiteralMatcher:
-    """A stand-in for orchestrator.signatures.Matcher with the same two calls (feed_line, finish)."""
-
-    def __init__(self, table: dict[str, _Sig]):
-        self.table = table
-
-    def feed_line(self, line: str):
-        return [_Match(sig, line) for text, sig in self.table.items() if text in line]
-
-    def finish(self):
-        return []
-
-
-def test_exit_code_two_needs_a_crash_severity_signature(tmp_path):
-    start_run(tmp_path, "r-oom", "oom", writer_argv(5, code=1, tail="torch.OutOfMemoryError: CUDA out of memory\n"))
-    matcher = LiteralMatcher({"CUDA out of memory": _Sig("cuda-oom", "error"), "line 000001": _Sig("note", "warning")})
+    start_run(tmp_path, "r-sev", "sev", [*CAT, str(FIXTURES / f"{fixture}.log"), "1"])
     matches: list = []
-    out = follow(local_target(tmp_path), "r-oom", matcher=matcher, on_match=matches.append, backoff=FAST, heartbeat=0.5)
-    assert [m.signature.id for m in matches] == ["note", "cuda-oom"]
-    assert out.state == "failed" and out.exit_code == 2
-    # a warning-level match alone does not make a failure "known"
-    out.matches = [m for m in out.matches if m.signature.severity == "warning"]
-    assert out.exit_code == 1
+    out = follow(local_target(tmp_path), "r-sev", matcher=Matcher(load_catalogue()), on_match=matches.append,
+                 backoff=FAST, heartbeat=0.5)
+    assert matches and {m.signature for m in matches} == {signature}
+    assert out.state == "failed" and out.exit["exit_code"] == 1 and out.exit_code == code
+
+
+def test_outcome_json_shape(tmp_path):
+    from orchestrator.signatures import Matcher, load_catalogue
+
+    start_run(tmp_path, "r-json", "json", [*CAT, str(FIXTURES / "nccl-timeout.log"), "1"])
+    out = follow(local_target(tmp_path), "r-json", matcher=Matcher(load_catalogue()), backoff=FAST, heartbeat=0.5)
+    d = json.loads(json.dumps(out.to_dict()))
+    assert (d["run_id"], d["experiment"], d["state"], d["exit"]["exit_code"], d["exit_code"]) == \
+        ("r-json", "json", "failed", 1, 2)
+    assert d["matches"] and {(m["signature"], m["severity"]) for m in d["matches"]} == {("nccl-timeout", "fatal")}
+    assert d["lines"] == len((tmp_path / "runs" / "r-json" / "train.log").read_text().splitlines())
+    assert d["offsets"]["log"] == (tmp_path / "runs" / "r-json" / "train.log").stat().st_size
+    assert d["reconnects"] == 0 and d["alerts"] == [] and d["error"] is None
 
 
 def test_connection_lost_for_good_is_exit_three(tmp_path):
@@ -316,14 +315,6 @@ def test_resolve_experiment_or_run_id():
     assert "run" in str(err.value)
 
 
-def test_outcome_json_shape():
-    o = FollowOutcome(run_id="r", experiment="e", state="failed", exit={"exit_code": 1},
-                      matches=[_Match(_Sig("nccl-timeout", "error"), "x")])
-    d = o.to_dict()
-    assert d["exit_code"] == 2 and d["matches"][0]["id"] == "nccl-timeout"
-    json.dumps(d)
-
-
 # ------------------------------------------------------------------------------- through the fake Proxmox host
 
 CT_WRITER = textwrap.dedent(
@@ -351,6 +342,113 @@ CT_WRITER = textwrap.dedent(
             time.sleep(0.01)
     """
 )
+
+
+class RecordingTarget:
+    """A real target that also keeps every request the follow sends its agent (the offsets it asks for)."""
+
+    def __init__(self, target):
+        self.target, self.requests = target, []
+
+    def agent(self, verb, request=None, **kw):
+        self.requests.append(dict(request or {}))
+        return self.target.agent(verb, request, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+def test_a_reconnect_asks_for_the_next_byte_and_no_byte_is_sent_twice(tmp_path):
+    """Cuts at known points (the writer waits for the test between chunks; each cut SIGKILLs the agent
+    serving the follow): every reconnect asks for exactly the byte after the last one delivered, and the
+    agent sends each byte of train.log once. A follow that re-read from 0 after each cut would still print
+    the right lines (the client trims overlap) while re-sending the whole log every time."""
+    n, cuts = 3000, 4
+    chunks = cuts + 1
+    size = -(-n // chunks)
+    gate = tmp_path / "gate"
+    run = start_run(tmp_path, "r-off", "off", [sys.executable, "-c", CT_WRITER, str(n), str(chunks), str(gate)])
+    target = RecordingTarget(local_target(tmp_path))
+    stream: list[tuple] = []  # ("data", offset, next) per data event, in arrival order
+    statuses: list[str] = []
+    seen = {"last_line": -1, "gen": -1}
+    problem: list[str] = []
+
+    def on_event(ev: dict) -> None:
+        seen["gen"] = len(statuses)
+        if ev.get("event") == "data":
+            stream.append((len(target.requests) - 1, int(ev["offset"]), int(ev["next"])))
+
+    def on_line(line: str) -> None:
+        if line.startswith("line "):
+            seen["last_line"] = int(line[5:])
+
+    def grant(c: int) -> None:
+        gate.with_name("gate.tmp").write_text(str(c))
+        os.replace(gate.with_name("gate.tmp"), gate)
+
+    def until(cond, what: str) -> bool:
+        deadline = time.monotonic() + 60
+        while not cond():
+            if time.monotonic() > deadline:
+                problem.append(what)
+                return False
+            time.sleep(0.01)
+        return True
+
+    def cutter() -> None:
+        try:
+            for k in range(1, cuts + 1):
+                if not until(lambda: seen["gen"] == len(statuses) and seen["last_line"] >= k * size - 1,
+                             f"chunk {k - 1} on the live connection"):
+                    return
+                before = len(statuses)
+                for pid in AgentKiller(every=(0, 0), limit=0)._agents():
+                    os.kill(pid, signal.SIGKILL)
+                if not until(lambda: len(statuses) > before, f"the follow to notice cut {k}"):
+                    return
+                grant(k)
+        finally:
+            grant(chunks)
+
+    t = threading.Thread(target=cutter, daemon=True)
+    t.start()
+    lines: list[str] = []
+    out = follow(target, "r-off", on_line=lambda ln: (lines.append(ln), on_line(ln)), on_event=on_event,
+                 on_status=statuses.append, backoff=FAST, heartbeat=0.5)
+    t.join(10)
+    assert not problem, problem
+    assert out.state == "succeeded" and out.reconnects == cuts == len(target.requests) - 1
+    assert numbered(lines) == [f"line {i:06d}" for i in range(n)]
+    size_on_disk = (run / "train.log").stat().st_size
+    # The agent sent the log once: consecutive chunks, from byte 0 to the end, nothing twice.
+    assert [s[1] for s in stream] == [0] + [s[2] for s in stream[:-1]]
+    assert sum(s[2] - s[1] for s in stream) == size_on_disk == out.offsets["log"]
+    # Each reconnect asked for the byte after the last one the previous connection delivered (never 0).
+    for i, request in enumerate(target.requests[1:], start=1):
+        delivered = [s[2] for s in stream if s[0] < i]
+        assert request["offset"] == delivered[-1] > 0, (i, request, delivered[-3:])
+
+
+def test_an_overlapping_chunk_is_trimmed_a_resent_one_skipped_a_gap_refused():
+    """The follower's own guard (pure logic, no agent): an agent that resends bytes already shown (an older
+    agent, a resend after a cut) must not make a line appear twice; a gap is an error, never a silent loss."""
+    from orchestrator.errors import RemoteCommandError
+    from orchestrator.ops.logs import _Follower
+
+    lines: list[str] = []
+    f = _Follower(on_line=lines.append, on_match=None, on_alert=None, on_event=None, matcher=None, health=None)
+    text = "".join(f"line {i}\n" for i in range(6))  # 7 bytes a line
+    chunk = lambda a, b: {"event": "data", "offset": 7 * a, "next": 7 * b, "text": text[7 * a: 7 * b]}  # noqa: E731
+    f.handle({"event": "run", "run_id": "r", "offset": 0})
+    f.handle(chunk(0, 2))
+    f.handle(chunk(1, 4))  # line 1 again, then lines 2 and 3
+    f.handle(chunk(0, 3))  # all of it shown already
+    f.handle({**chunk(4, 6), "b64": base64.b64encode(text[28:42].encode()).decode(), "text": None})
+    assert lines == [f"line {i}" for i in range(6)] and f.log_offset == 42 and f.failure is None
+    f.handle(chunk(7, 8))  # bytes 42..49 were never sent
+    assert isinstance(f.failure, RemoteCommandError) and "skipped bytes 42..49" in str(f.failure)
+    assert lines == [f"line {i}" for i in range(6)] and f.log_offset == 42
 
 
 def start_ct_run(ct, run_id: str, experiment: str, argv: list[str]) -> Path:
