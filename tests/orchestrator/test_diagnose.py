@@ -13,6 +13,14 @@ from orchestrator.errors import UserError
 from orchestrator.ops.diagnose import diagnose
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "signatures"
+CATALOGUE = Path(__file__).resolve().parents[2] / "orchestrator" / "templates" / "signatures.yaml"
+
+
+def catalogue_entry(sig_id: str) -> dict:
+    """A signature's texts as the catalogue file writes them (YAML folded: one line each)."""
+    import yaml
+
+    return next(e for e in yaml.safe_load(CATALOGUE.read_text()) if e["id"] == sig_id)
 
 
 def cli(*args, cwd=None):
@@ -71,3 +79,18 @@ def test_inventory_signatures_extend_the_cli(tmp_path):
 def test_missing_file_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="no such log file"):
         diagnose(tmp_path / "nope.log")
+
+
+def test_the_user_reads_the_diagnosis_the_fix_and_every_false_lead_in_order(dflashctl):
+    """What `diagnose` prints under the table, line by line: the fix under `fix:`, then each tempting fix that
+    will not help under its own heading, in the catalogue's order (fx-tracing-race has three)."""
+    entry = catalogue_entry("fx-tracing-race")
+    assert len(entry["not_this"]) == 3
+    r = dflashctl("diagnose", str(FIXTURES / "fx-tracing-race.log"))
+    assert r.returncode == 2, r.stderr
+    lines = r.stdout.splitlines()
+    start = lines.index(f"diagnosis: {entry['diagnosis']}")
+    assert lines[start:] == [f"diagnosis: {entry['diagnosis']}", f"fix: {entry['fix']}", "will not help:",
+                             *(f"  - {item}" for item in entry["not_this"])]
+    assert lines[start - 3] == f"{entry['title']}  (line 5)"  # the traceback begins on line 5
+    assert "Downgrading or pinning transformers" in lines[-3]

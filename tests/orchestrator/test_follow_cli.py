@@ -90,7 +90,15 @@ def test_crash_diagnosis_is_printed_identically_by_both_follows(tmp_path, dflash
     block = _diagnosis(logs.stderr)
     assert block[0] == ("fatal: Python module not installed in the run's venv: accelerate_not_installed_here "
                         "(missing-module, log line 4)")
-    assert any(line.startswith("  fix: ") for line in block) and any("will not help" in line for line in block)
+    # What the user reads, in order: the diagnosis, the fix, then each false lead under "will not help".
+    from test_diagnose import catalogue_entry
+
+    entry = catalogue_entry("missing-module")
+    module = "accelerate_not_installed_here"
+    texts = [entry["diagnosis"], entry["fix"], *entry["not_this"]]
+    diagnosis, fix, *not_this = (t.replace("{module}", module) for t in texts)
+    assert len(not_this) == 2 and block[-4:] == [f"  diagnosis: {diagnosis}", f"  fix: {fix}",
+                                                  *(f"  will not help: {item}" for item in not_this)]
     assert _diagnosis(launched.stderr) == block
     for stderr in (launched.stderr, logs.stderr):
         assert "{'signature'" not in stderr and "signature: {" not in stderr
