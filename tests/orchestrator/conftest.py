@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,26 @@ def local_target(tmp_path) -> LocalTarget:
 
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def smi(tmp_path, monkeypatch) -> Path:
+    """The fake host's nvidia-smi stand-in with 8 idle GPUs, as the local target's nvidia-smi
+    ($DFLASHCTL_NVIDIA_SMI). Yields its directory: `fakehost.nvidia_smi.hold(smi)` holds its next call, so a
+    launch sits inside its preflight (its experiment's lock taken, its GPUs claimed) until `release(smi)`."""
+    from fakehost import nvidia_smi
+
+    d = tmp_path / "smi"
+    d.mkdir()
+    (d / "nvidia-smi").write_text(f"#!{sys.executable} -IS\n" + Path(nvidia_smi.__file__).resolve().read_text())
+    (d / "nvidia-smi").chmod(0o755)
+    gpus = [{"index": i, "uuid": f"GPU-{i:04x}", "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0", "memory_used": 0,
+             "memory_total": 81559} for i in range(8)]
+    (d / ".gpus.json").write_text(json.dumps({"driver_version": "570.133.20", "cuda_version": "12.8",
+                                              "name": "NVIDIA H100 80GB HBM3", "error": None, "gpus": gpus}))
+    monkeypatch.setenv("DFLASHCTL_NVIDIA_SMI", str(d / "nvidia-smi"))
+    yield d
+    nvidia_smi.release(d)
 
 
 @pytest.fixture

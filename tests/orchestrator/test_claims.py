@@ -12,7 +12,6 @@ import datetime as dt
 import json
 import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from test_launch import SLEEPER, cmd_spec, ct_spec, ct_target, make_ct, wait_exi
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
 T = dt.datetime(2026, 5, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
-FAKE_HOST = Path(nvidia_smi.__file__).resolve()
 
 
 class Launcher(threading.Thread):
@@ -55,22 +53,6 @@ class Launcher(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.value
-
-
-@pytest.fixture
-def smi(tmp_path, monkeypatch) -> Path:
-    """The fake host's nvidia-smi stand-in with 8 idle GPUs, as the local target's nvidia-smi."""
-    d = tmp_path / "smi"
-    d.mkdir()
-    (d / "nvidia-smi").write_text(f"#!{sys.executable} -IS\n" + FAKE_HOST.read_text())
-    (d / "nvidia-smi").chmod(0o755)
-    gpus = [{"index": i, "uuid": f"GPU-{i:04x}", "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0", "memory_used": 0,
-             "memory_total": 81559} for i in range(8)]
-    (d / ".gpus.json").write_text(json.dumps({"driver_version": "570.133.20", "cuda_version": "12.8",
-                                              "name": "NVIDIA H100 80GB HBM3", "error": None, "gpus": gpus}))
-    monkeypatch.setenv("DFLASHCTL_NVIDIA_SMI", str(d / "nvidia-smi"))
-    yield d
-    nvidia_smi.release(d)
 
 
 def claims_file(workdir) -> dict:

@@ -20,7 +20,7 @@ from orchestrator.ops.launch import LaunchSpec, launch, make_run_id
 from orchestrator.ops.status import status
 from orchestrator.records import load_records
 from orchestrator.target import ContainerTarget
-from fakehost import STOCK_TMUX
+from fakehost import STOCK_TMUX, nvidia_smi
 
 # A command that stops cleanly on SIGINT (like a trainer saving a checkpoint), else runs for a minute.
 SLEEPER = [sys.executable, "-c", "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('bye', flush=True)\n"]
@@ -174,26 +174,27 @@ def test_a_held_lock_names_its_holder(tmp_path, local_target):
     assert [p.name for p in (Path(t.workdir) / "runs").iterdir()] == [other.run_id]
 
 
-def test_two_concurrent_launches_make_exactly_one_run(tmp_path, local_target):
+def test_two_concurrent_launches_make_exactly_one_run(tmp_path, local_target, smi):
+    """Both launches really contend: the first is held inside its preflight (its one nvidia-smi call waits)
+    while the second starts, so the second must meet the first's lock (LockHeld), not a session that exists
+    by then. Once the first has launched, a third meets its session (SessionExists)."""
+    from test_claims import Launcher
+
     t = local_target
-    results, errors = [], []
-    barrier = threading.Barrier(2)
-
-    def go(tag: str) -> None:
-        barrier.wait()
-        try:
-            results.append(launch(t, cmd_spec("race", SLEEPER, tag=tag)))
-        except PreflightError as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go, args=(tag,)) for tag in ("a", "b")]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert len(results) == 1 and len(errors) == 1
-    assert errors[0].agent_type in ("LockHeld", "SessionExists")
-    assert [p.name for p in (Path(t.workdir) / "runs").iterdir()] == [results[0].run_id]
+    nvidia_smi.hold(smi)
+    first = Launcher(lambda: t, cmd_spec("race", SLEEPER, tag="a", gpus=[0]))
+    nvidia_smi.wait_held(smi)
+    with pytest.raises(PreflightError) as second:
+        launch(t, cmd_spec("race", SLEEPER, tag="b", gpus=[1]))
+    assert second.value.agent_type == "LockHeld"
+    assert f"another launch of experiment race holds {t.workdir}/locks/race.lock" in second.value.message
+    assert not (Path(t.workdir) / "runs").exists()  # the refused launch made nothing
+    nvidia_smi.release(smi)
+    won = first.result()
+    with pytest.raises(PreflightError) as third:
+        launch(t, cmd_spec("race", SLEEPER, tag="c", gpus=[1]))
+    assert third.value.agent_type == "SessionExists" and won.run_id in third.value.message
+    assert [p.name for p in (Path(t.workdir) / "runs").iterdir()] == [won.run_id]
 
 
 def test_replace_stops_the_old_run_gracefully_and_launches(tmp_path, local_target):
@@ -457,29 +458,29 @@ def test_container_launch_is_one_pct_exec_and_hostile_tags_make_none(pve):
 
 
 def test_container_concurrent_launches_one_wins_and_replace_waits_for_gpus(fake_pve):
+    from test_claims import Launcher
+
     ct = make_ct(fake_pve, 305)
     try:
-        results, errors = [], []
-        barrier = threading.Barrier(2)
-
-        def go(tag: str) -> None:
-            t = ct_target(fake_pve, ct)
-            barrier.wait()
-            try:
-                results.append(launch(t, ct_spec("conc", CT_SLEEPER, tag=tag, gpus=[1])))
-            except PreflightError as exc:
-                errors.append(exc)
-            finally:
-                t.close()
-
-        threads = [threading.Thread(target=go, args=(tag,)) for tag in ("a", "b")]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
-        assert len(results) == 1 and len(errors) == 1, (results, errors)
-        assert errors[0].agent_type in ("LockHeld", "SessionExists")
-        old = results[0]
+        # The first launch is held inside its preflight (the container's nvidia-smi holds its call) while the
+        # second runs: the second meets the first's lock, exactly; then a third meets the first's session.
+        smi = ct.dir / "sbin"
+        nvidia_smi.hold(smi)
+        first = Launcher(lambda: ct_target(fake_pve, ct), ct_spec("conc", CT_SLEEPER, tag="a", gpus=[1]))
+        nvidia_smi.wait_held(smi)
+        t = ct_target(fake_pve, ct)
+        try:
+            with pytest.raises(PreflightError) as second:
+                launch(t, ct_spec("conc", CT_SLEEPER, tag="b", gpus=[1]))
+            nvidia_smi.release(smi)
+            old = first.result()
+            with pytest.raises(PreflightError) as third:
+                launch(t, ct_spec("conc", CT_SLEEPER, tag="b", gpus=[1]))
+        finally:
+            nvidia_smi.release(smi)
+            t.close()
+        assert second.value.agent_type == "LockHeld" and "launching run conc-a-" in second.value.message
+        assert third.value.agent_type == "SessionExists" and old.run_id in third.value.message
         assert [p.name for p in (Path(ct.workdir) / "runs").iterdir()] == [old.run_id]
 
         # The old run "holds" GPU 1 until a moment after it exits; --replace must wait for the release.
