@@ -201,3 +201,66 @@ def test_a_holder_that_never_wrote_its_name_is_described(tmp_path):
         os.close(fd)
     with pytest.raises(AgentFailure, match="bad experiment name"):
         agent_runs.LaunchLock(tmp_path, "../x")
+
+
+# ------------------------------------------------------------------------- edges the mutation run found
+
+
+def test_aliveness_is_checked_per_holder_not_shared_between_holders(tmp_path):
+    # Two warm-ups (no run id, same phase): one launcher died, one lives. The dead one's verdict must not be
+    # reused for the live one.
+    me = claims.this_process()
+    _write_claims(tmp_path, {
+        "0": {"phase": "launch", "pid": dead_pid(), "token": "t0", "run_id": None, "experiment": "w0"},
+        "1": {"phase": "launch", "pid": me["pid"], "pid_start": me["pid_start"], "token": "t1", "run_id": None,
+              "experiment": "w1"},
+    })
+    claims.claim(tmp_path, [0], {"run_id": "n-1", "experiment": "n"}, Emit(), wait_s=0)
+    assert on_disk(tmp_path)["1"]["token"] == "t1"
+    with pytest.raises(AgentFailure, match="GPU 1 is held by the warm-up of experiment w1"):
+        claims.claim(tmp_path, [1], {"run_id": "m-1", "experiment": "m"}, Emit(), wait_s=0)
+
+
+def test_a_claim_without_a_token_still_holds_its_gpu(tmp_path):
+    me = claims.this_process()
+    _write_claims(tmp_path, {"3": {"phase": "launch", "pid": me["pid"], "run_id": "old-1", "experiment": "old"}})
+    with pytest.raises(AgentFailure, match="GPU 3 is held by run old-1"):
+        claims.claim(tmp_path, [3], {"run_id": "n-1", "experiment": "n"}, Emit(), wait_s=0)
+
+
+def test_waiting_names_every_held_gpu(tmp_path):
+    claims.claim(tmp_path, [0], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    claims.claim(tmp_path, [1], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
+    emit = Emit()
+    with pytest.raises(AgentFailure):
+        claims.claim(tmp_path, [0, 1], {"run_id": "c-1", "experiment": "c"}, emit, wait_s=0.2)
+    text = emit.progress_calls[0][1]
+    assert text.startswith("GPU 0 is held by run a-1 (experiment a), launching since ")
+    assert "; GPU 1 is held by run b-1 (experiment b), launching since " in text
+
+
+def test_a_run_id_longer_than_a_name_and_a_path_outside_runs(tmp_path):
+    long_id = ("x" * 64) + "-" + ("y" * 40) + "-20260101T000000Z"
+    make_run(tmp_path, long_id)
+    (tmp_path / "locks").mkdir(exist_ok=True)
+    assert claims.claim_alive(tmp_path, {"phase": "run", "run_id": long_id})  # any run id launch makes
+    assert not claims.claim_alive(tmp_path, {"phase": "run", "run_id": "../locks"})  # a directory, not a run
+    assert not claims.claim_alive(tmp_path, {"phase": "run", "run_id": 7})
+
+
+def test_the_pid_start_tolerance_is_two_seconds_inclusive(tmp_path, monkeypatch):
+    monkeypatch.setattr(agent_runs, "process_start", lambda pid: 1000.0)
+    me = os.getpid()
+    assert claims.claim_alive(tmp_path, {"phase": "launch", "pid": me, "pid_start": 1002.0})
+    assert claims.claim_alive(tmp_path, {"phase": "launch", "pid": me, "pid_start": 998.0})
+    assert not claims.claim_alive(tmp_path, {"phase": "launch", "pid": me, "pid_start": 1002.5})
+
+
+def test_promote_restamps_since(tmp_path):
+    token = claims.claim(tmp_path, [2], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    data = on_disk(tmp_path)
+    data["2"]["since"] = "2000-01-01T00:00:00Z"
+    _write_claims(tmp_path, data)
+    claims.promote(tmp_path, token, "a-1")
+    since = on_disk(tmp_path)["2"]["since"]
+    assert since != "2000-01-01T00:00:00Z" and since.startswith("20") and since.endswith("Z")

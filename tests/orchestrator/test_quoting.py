@@ -57,3 +57,8 @@ def test_with_env_golden():
 def test_with_env_refuses_bad_names(key):
     with pytest.raises(ValueError, match="bad environment variable name"):
         with_env({key: "v"}, ["true"])
+
+
+@pytest.mark.parametrize("key", ["_A", "A_B", "_", "a1", "__x__"])
+def test_with_env_accepts_every_shell_variable_name(key):
+    assert with_env({key: "v"}, ["true"]) == ["env", "-i", f"{key}=v", "true"]
