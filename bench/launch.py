@@ -28,12 +28,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fakehost import FakePVE  # noqa: E402
 
+from orchestrator import assets  # noqa: E402
 from orchestrator.ops.launch import LaunchSpec, launch  # noqa: E402
 from orchestrator.target import ContainerTarget  # noqa: E402
 from orchestrator.transport.quoting import render  # noqa: E402
 
 CTID = 240
-SCRIPT = ROOT / "orchestrator" / "templates" / "start_training.sh"
+SCRIPT = assets.on_disk("start_training.sh")
 
 
 def make_container(pve: FakePVE):

@@ -6,7 +6,8 @@ Every error points at the file, the line and the key path, in one readable Inven
 
 Lookup order (first that exists wins): `--inventory PATH`, `$DFLASHCTL_INVENTORY`, `./inventory.yaml`, the
 user config dir (`<platformdirs user_config_dir>/dflashctl/inventory.yaml`), the embedded default shipped
-in this package (`orchestrator/default_inventory.yaml`, the same text as the repository's inventory.yaml).
+in the package: the repository's top-level inventory.yaml, read through orchestrator.assets as
+`templates/inventory.yaml`.
 
 Every name that can reach a shell or a path (host, target, venv, experiment keys; tags, sessions, run ids
 given on the command line) follows the one rule of `orchestrator.names`: no slashes, no `..`, no newline,
@@ -20,20 +21,19 @@ import os
 import re
 import typing
 from collections.abc import Iterable
-from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from orchestrator import names
+from orchestrator import assets, names
 from orchestrator.errors import InventoryError, UserError
 from trainer.config import TrainConfig
 
 ENV_VAR = "DFLASHCTL_INVENTORY"
 EMBEDDED = "<embedded default inventory>"
-DEFAULT_RESOURCE = "default_inventory.yaml"
+DEFAULT_RESOURCE = "inventory.yaml"
 
 
 def check_name(kind: str, value: str) -> str:
@@ -610,7 +610,7 @@ def parse_inventory(text: str, source: str = "inventory.yaml") -> Inventory:
 
 def embedded_text() -> str:
     """The text of the embedded default inventory (packaged with orchestrator)."""
-    return resources.files("orchestrator").joinpath(DEFAULT_RESOURCE).read_text(encoding="utf-8")
+    return assets.read_text(DEFAULT_RESOURCE)
 
 
 def user_config_path() -> Path:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from typing import Any, Iterable
 
-from orchestrator import ownlines
+from orchestrator import assets, ownlines
 from orchestrator.errors import InventoryError
 
 SEVERITIES = ("warning", "error", "fatal")
@@ -249,7 +248,7 @@ def _validate(entry: Any, where: str) -> Signature:
 def _shipped_entries() -> list[dict]:
     import yaml
 
-    text = resources.files("orchestrator").joinpath("templates/signatures.yaml").read_text(encoding="utf-8")
+    text = assets.read_text("signatures.yaml")
     data = yaml.safe_load(text)
     if not isinstance(data, list):  # pragma: no cover - a packaging bug
         raise InventoryError("templates/signatures.yaml must be a list of signatures")

@@ -133,12 +133,13 @@ def register(app: typer.Typer) -> None:
         index_url: str = typer.Option(None, "--index-url", help="Replace PyPI."),
         extra_index_url: list[str] = typer.Option([], "--extra-index-url", help="An extra index."),
     ) -> None:
-        from orchestrator.ops.lock import LOCKS_DIR, compile_lock
+        from orchestrator import assets
+        from orchestrator.ops.lock import compile_lock
         from orchestrator.render import console
 
         out = console()
         err = console(stderr=True)
-        profiles = [profile] if profile else sorted(p.stem for p in LOCKS_DIR.glob("*.in"))
+        profiles = [profile] if profile else sorted(p.stem for p in assets.locks_dir().glob("*.in"))
         for name in profiles:
             rep = compile_lock(name, upgrade_packages=upgrade_package, find_links=find_links, index_url=index_url,
                                extra_index_urls=extra_index_url, on_line=lambda line: err.print(line, style="dim"))

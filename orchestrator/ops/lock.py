@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator import assets
 from orchestrator.errors import RemoteCommandError, UserError
 
-LOCKS_DIR = Path(__file__).resolve().parent.parent / "templates" / "locks"
 # The shipped profiles. A venv profile may also name a lock file by path.
 PROFILES = ("cpu", "cuda", "test")
 # Locks are compiled for the container, not for the workstation that compiles them.
@@ -101,7 +101,7 @@ def resolve_lock(spec: str, locks_dir: Path | None = None) -> LockFile:
     Raises:
         UserError: no such profile or file, or the file is empty.
     """
-    base = locks_dir or LOCKS_DIR
+    base = locks_dir or assets.locks_dir()
     if "/" not in spec and not spec.endswith(".txt"):
         path = base / f"{spec}.txt"
         if not path.is_file():
@@ -226,7 +226,7 @@ def compile_lock(
     if not (find_links or index_url or extra_index_urls):
         defaults = DEFAULT_SOURCES.get(profile, {})
         extra_index_urls = defaults.get("extra_index_urls", ())
-    base = locks_dir or LOCKS_DIR
+    base = locks_dir or assets.locks_dir()
     in_path = base / f"{profile}.in"
     out_path = base / f"{profile}.txt"
     if not in_path.is_file():

@@ -35,12 +35,13 @@ from pathlib import Path
 
 from orchestrator.agent import driver
 from orchestrator.agent.venvinfo import BUNDLE_DIST, FINGERPRINT, STAMP
+from orchestrator import assets
 from orchestrator.errors import AgentError, UserError
 from orchestrator.ops import carry
 from orchestrator.ops.carry import CarriedWheel, UvBinary
 from orchestrator.ops.lock import LockFile, resolve_lock
 
-SCRIPT_PATH = Path(__file__).resolve().parent.parent / "templates" / "rebuild_venv.sh"
+SCRIPT_NAME = "rebuild_venv.sh"
 # A python request reaches `uv venv --python` and the one-line stamp: a version or a name, no spaces.
 _PY_REQUEST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@/-]{0,63}$")
 _EPOCH = (2020, 1, 1, 0, 0, 0)
@@ -50,7 +51,7 @@ EventCallback = Callable[[dict], None]
 
 def script_text() -> str:
     """The rebuild script (constant text; every value is passed as an argument)."""
-    return SCRIPT_PATH.read_text()
+    return assets.read_text(SCRIPT_NAME)
 
 
 # -------------------------------------------------------------------------------------------- profile

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import assets
 from orchestrator.errors import UserError
 from orchestrator.ops.diagnose import diagnose
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "signatures"
-CATALOGUE = Path(__file__).resolve().parents[2] / "orchestrator" / "templates" / "signatures.yaml"
+CATALOGUE = assets.on_disk("signatures.yaml")
 
 
 def catalogue_entry(sig_id: str) -> dict:

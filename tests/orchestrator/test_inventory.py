@@ -100,9 +100,10 @@ def test_shipped_inventory_has_tiny_and_the_worked_example():
     assert inv.monitor.regression_fraction == 0.7 and inv.monitor.hang_seconds == 600
 
 
-def test_repo_file_and_packaged_default_are_the_same_text():
+def test_repo_file_is_the_packaged_default():
     assert (REPO / "inventory.yaml").read_text() == embedded_text()
-    assert (REPO / "orchestrator" / "default_inventory.yaml").read_text() == embedded_text()
+    assert (REPO / "templates" / "inventory.yaml").resolve() == (REPO / "inventory.yaml").resolve()
+    assert not (REPO / "orchestrator" / "default_inventory.yaml").exists()
 
 
 def test_lookup_order(tmp_path, monkeypatch):
@@ -278,7 +279,8 @@ def test_the_embedded_default_is_packaged():
     import tomllib
 
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "default_inventory.yaml" in meta["tool"]["setuptools"]["package-data"]["orchestrator"]
+    assert meta["tool"]["setuptools"]["package-dir"]["orchestrator.templates"] == "templates"
+    assert "*.yaml" in meta["tool"]["setuptools"]["package-data"]["orchestrator.templates"]
     assert parse_inventory(embedded_text(), EMBEDDED).experiment("tiny").kind == "dflash"
 
 

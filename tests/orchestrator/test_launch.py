@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import assets
 from orchestrator.agent import runs as agent_runs
 from orchestrator.agent.verbs.launch import build_command
 from orchestrator.errors import PreflightError, UserError
@@ -306,7 +307,7 @@ def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_
 
 def _embedded() -> str:
     """The packaged default inventory (the embedded default's text)."""
-    return str(Path(__file__).resolve().parents[2] / "orchestrator" / "default_inventory.yaml")
+    return str(assets.on_disk("inventory.yaml"))
 
 
 # ------------------------------------------------------------------------------------- fake Proxmox host

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import assets
 from orchestrator.errors import RemoteCommandError, UserError
 from orchestrator.ops.lock import (
-    LOCKS_DIR,
     compile_argv,
     compile_lock,
     lock_hash,
@@ -115,7 +115,7 @@ def test_compile_refuses_unknown_profiles(tmp_path):
 
 
 def test_resolve_lock_by_name_and_path(tmp_path):
-    assert resolve_lock("cpu").path == LOCKS_DIR / "cpu.txt"
+    assert resolve_lock("cpu").path == assets.locks_dir() / "cpu.txt"
     with pytest.raises(UserError, match=r"no lock profile 'gpu'.*known: cpu, cuda, test"):
         resolve_lock("gpu")
     with pytest.raises(UserError, match="does not exist"):
@@ -132,7 +132,7 @@ def test_resolve_lock_by_name_and_path(tmp_path):
 
 @pytest.mark.parametrize("profile", ["cpu", "cuda", "test"])
 def test_shipped_locks_hash_every_pin(profile):
-    text = (LOCKS_DIR / f"{profile}.txt").read_text()
+    text = (assets.locks_dir() / f"{profile}.txt").read_text()
     blocks = re.split(r"\n(?=[a-z0-9])", text.split("\n", 2)[2])
     pins = parse_pins(text)
     assert pins and len([b for b in blocks if "==" in b.split("\n")[0]]) == len(pins)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import assets
 from orchestrator.agent import tmuxctl
 from orchestrator.errors import RunNotFound
 from orchestrator.ops.logs import Backoff, LogHealth, follow, resolve
@@ -30,7 +31,7 @@ from orchestrator.transport.local import LocalTransport
 from orchestrator.transport.quoting import render
 
 ROOT = Path(__file__).resolve().parents[2]
-START = ROOT / "orchestrator" / "templates" / "start_training.sh"
+START = assets.on_disk("start_training.sh")
 FAST = Backoff(initial=0.05, factor=2.0, cap=0.5, jitter=0.2, give_up_s=20)
 
 WRITER = textwrap.dedent(

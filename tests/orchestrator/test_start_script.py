@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "orchestrator" / "templates" / "start_training.sh"
+from orchestrator import assets
+
+SCRIPT = assets.on_disk("start_training.sh")
 
 CHILD = r"""
 import signal, sys, time

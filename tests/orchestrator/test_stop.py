@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import assets
+
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "orchestrator" / "templates" / "start_training.sh"
+SCRIPT = assets.on_disk("start_training.sh")
 # Ends on SIGINT the way python does (KeyboardInterrupt: killed by SIGINT, exit 130 as the wrapper records it).
 SLEEPER = [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"]
 ME = f"{getpass.getuser()}@{socket.gethostname()}"

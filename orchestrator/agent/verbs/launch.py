@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pkgutil
 import socket
 import sys
 from pathlib import Path
 
-from orchestrator import ownlines
+from orchestrator import assets, ownlines
 from orchestrator.agent import claims, runs, tmuxctl
 from orchestrator.agent import resume
 from orchestrator.agent import warmup as warmups
@@ -253,10 +252,10 @@ def warm_up(request: dict, run_dir: Path, env: dict[str, str], emit, device: str
 
 
 def _script_bytes() -> bytes:
-    data = pkgutil.get_data("orchestrator", f"templates/{SCRIPT_NAME}")
-    if data is None:  # pragma: no cover - a broken bundle
-        raise AgentFailure("BundleBroken", f"templates/{SCRIPT_NAME} is missing from the bundle")
-    return data
+    try:
+        return assets.read_bytes(SCRIPT_NAME)
+    except FileNotFoundError:  # pragma: no cover - a broken bundle
+        raise AgentFailure("BundleBroken", f"templates/{SCRIPT_NAME} is missing from the bundle") from None
 
 
 def _env_blob(env: dict[str, str]) -> bytes:
