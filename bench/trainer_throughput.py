@@ -2,7 +2,7 @@
 
     python bench/trainer_throughput.py [--steps 500] [--out DIR]
 
-Runs the real training loop (`trainer.train.train`) on the `tiny` experiment's config for --steps steps
+Runs the real training loop (`trainer.loop.train`, the colocated layout in this process) on the `tiny` experiment's config for --steps steps
 (logging every step), and in the same process measures a large fp32 matmul's GFLOP/s as the baseline.
 Prints:
   - tokens/s (real packed tokens per second of step time, median over steps after the first 10),
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.metrics import read_metrics  # noqa: E402
 from trainer.tiny import tiny_train_config  # noqa: E402
-from trainer.train import train  # noqa: E402
+from trainer.distributed import single_world  # noqa: E402
+from trainer.loop import train  # noqa: E402
 
 
 def matmul_gflops(n: int = 2048, reps: int = 10) -> float:
@@ -75,7 +76,7 @@ def main() -> int:
     peak = matmul_gflops()
     cfg = tiny_train_config(out, max_steps=args.steps, log_every=1, save_every=10**6, epochs=1000)
     t0 = time.perf_counter()
-    train(cfg, log=lambda m: None)
+    train(cfg, single_world(cfg.layout.to_layout()), log=lambda m: None)
     wall = time.perf_counter() - t0
     peak_after = matmul_gflops()  # the machine may be shared: report the baseline on both sides
 

@@ -1,7 +1,9 @@
 """`python -m trainer train --config FILE`, `python -m trainer tiny [--out DIR]`, `python -m trainer eval ...`.
 
-Thin: parse flags, make one call into `trainer.train` / `trainer.evaluate`, print the outcome. Exit codes:
-0 done, 2 bad config, data or arguments (the message says what to fix), 1 anything else (with the traceback).
+Thin: parse flags, make one call into `trainer.loop` (the colocated layout in this process, world size 1;
+split layouts run under `python -m trainer.launch`) or `trainer.evaluate`, print the outcome. Exit codes: 0
+done, 2 bad config, layout, data or arguments (the message says what to fix), 1 anything else (with the
+traceback).
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # ConfigError and DataError are ValueErrors too
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 2
-    from trainer.train import TrainError, train
+    from trainer.distributed import DistributedError, single_world
+    from trainer.loop import train
+    from trainer.setup import TrainError
 
     try:
         if args.command == "train":
@@ -115,18 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_steps is not None:
                 over["max_steps"] = args.max_steps
             cfg = tiny_train_config(args.out, **over)
-        result = train(cfg)
+        train(cfg, single_world(cfg.layout.to_layout()))
         if args.command == "tiny":
             _print_export_tau(cfg)
-    except (ConfigError, DataError, TrainError) as exc:
+    except (ConfigError, DataError, TrainError, DistributedError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-    print(
-        f"done: {result.steps} steps; τ before {fmt(result.tau_before)} -> after {fmt(result.tau_after)}; "
-        f"export {result.export_dir}",
-        flush=True,
-    )
     return 0
 
 

@@ -111,7 +111,10 @@ class DataConfig(_Strict):
     max_len: int = Field(3072, ge=16)
     """Max tokens per sample; longer samples are skipped and counted."""
     token_budget: int = Field(49152, ge=16)
-    """Tokens per step per drafter rank: rows x row length (49152 = 16 x 3072)."""
+    """Tokens per packed batch: rows x row length (49152 = 16 x 3072)."""
+    batches_per_step: int | None = Field(None, ge=1)
+    """Packed batches per optimizer step, over all drafter ranks (each accumulates its share); a multiple of
+    the drafter count. None: one per drafter rank. Set it to resume a checkpoint under another layout."""
     max_batch_size: int = Field(16, ge=1)
     """Max packed rows per step."""
     num_anchors: int = Field(512, ge=1)
@@ -261,6 +264,12 @@ class TrainConfig(_Strict):
             raise ValueError(
                 f"data.max_len ({self.data.max_len}) must be at least 2 x block_size ({self.model.block_size})"
             )
+        drafters = self.layout.to_layout().num_drafters
+        if self.data.batches_per_step is not None and self.data.batches_per_step % drafters:
+            raise ValueError(
+                f"data.batches_per_step ({self.data.batches_per_step}) must be a multiple of the {drafters} drafter "
+                "process(es) of the layout: each drafter trains the same number of batches per step"
+            )
         if self.data.token_budget < self.data.max_len:
             raise ValueError(
                 f"data.token_budget ({self.data.token_budget}) is smaller than data.max_len ({self.data.max_len}): "
@@ -272,6 +281,11 @@ class TrainConfig(_Strict):
     def resolved_gamma(self) -> float:
         """γ as given, else the paper's value for this block size (7/5/4 for 16/10/8, else bs/2.3)."""
         return self.gamma if self.gamma is not None else default_gamma(self.model.block_size)
+
+    @property
+    def batches_per_step(self) -> int:
+        """Global batches per optimizer step: data.batches_per_step, else one per drafter rank."""
+        return self.data.batches_per_step or self.layout.to_layout().num_drafters
 
     @property
     def row_len(self) -> int:

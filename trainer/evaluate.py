@@ -615,3 +615,4 @@ def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_token_i
             break
         ids = torch.tensor([[tok]], device=target.device)
     return out
+

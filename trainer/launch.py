@@ -77,10 +77,8 @@ def rank_environment(layout: Layout, rank: int, port: int, base: dict[str, str])
     CPU layouts split this machine's cores between the ranks (OMP_NUM_THREADS, unless set), so the
     processes do not oversubscribe the cores.
     """
-    from trainer.distributed import rank_env_vars
-
     env = dict(base)
-    env.update(rank_env_vars(rank, layout.world_size, port))
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(layout.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     env.update(layout.env(rank))
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log as they happen, not at exit
     if not layout.uses_gpus and "OMP_NUM_THREADS" not in base:
@@ -219,7 +217,7 @@ def spawn(
     """
     lock = threading.Lock()
     log = log or (lambda msg: (out.write(f"[launch] {msg}\n"), out.flush()))
-    argv = command or [sys.executable, "-m", "trainer.rank_loop", "--config", str(config_path)]
+    argv = command or [sys.executable, "-m", "trainer.rank", "--config", str(config_path)]
     port = free_port()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -348,16 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint")
     args = p.parse_args(argv)
     from trainer.data import DataError
-    from trainer.train import TrainError, train
+    from trainer.distributed import single_world
+    from trainer.loop import train
+    from trainer.setup import TrainError
 
     try:
         cfg, path = resolve_config(args.config, args.resume)
         layout = cfg.layout.to_layout()
         if layout.colocated:
-            result = train(cfg)
-            fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-            print(f"done: {result.steps} steps; τ before {fmt(result.tau_before)} -> after {fmt(result.tau_after)}; "
-                  f"export {result.export_dir}", flush=True)
+            train(cfg, single_world(layout))
             return 0
     except (ConfigError, DataError, TrainError, LaunchError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

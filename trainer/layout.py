@@ -5,10 +5,12 @@ compile-cache keys match across GPUs and no two threads share Dynamo state. Rank
 target, ranks T..T+D-1 train the drafter under DDP. An empty layout is the colocated single-process layout
 (target and drafter in one process: the CPU demo).
 
-The feature schedule is a pure function of the step: at global step s, drafter d consumes global batch
-b = s*D + d, computed by target rank b % T. Every rank can enumerate what it sends and receives at every step
-without talking to anyone, so all ranks run the same number of steps and nobody waits for a message that
-never comes.
+The feature schedule (`Schedule`) is a pure function of the step: optimizer step s trains the global batches
+s*G .. s*G+G-1 (G = batches per step, a setting of the experiment, not of the layout); drafter d trains the
+d-th run of G/D consecutive ones, and target rank b % T computes batch b. Every rank can enumerate what it
+sends and receives at every step without talking to anyone, so all ranks run the same number of steps and
+nobody waits for a message that never comes. Because G does not depend on the layout, a checkpoint resumes
+under any layout whose drafter count divides G.
 """
 
 from __future__ import annotations
@@ -99,26 +101,6 @@ class Layout:
     def target_ranks(self) -> list[int]:
         return [0] if self.colocated else list(range(self.num_targets))
 
-    def batch_index(self, step: int, drafter: int) -> int:
-        """The global batch drafter `drafter` (0-based) trains on at `step`."""
-        return step * self.num_drafters + drafter
-
-    def source_of(self, step: int, drafter: int) -> int:
-        """The target rank that computes features for drafter `drafter` at `step`."""
-        if self.colocated:
-            return 0
-        return self.batch_index(step, drafter) % self.num_targets
-
-    def sends(self, rank: int, step: int) -> list[tuple[int, int]]:
-        """What a target rank sends at `step`: [(global batch index, destination rank)], in send order."""
-        if self.role(rank) != "target":
-            return []
-        out = []
-        for d in range(self.num_drafters):
-            if self.source_of(step, d) == rank:
-                out.append((self.batch_index(step, d), self.num_targets + d))
-        return out
-
     def env(self, rank: int) -> dict[str, str]:
         """Environment of a rank's process: exactly one GPU visible, PCI bus order (nvidia-smi's numbering)."""
         gpu = self.gpu(rank)
@@ -129,3 +111,60 @@ class Layout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} outside world size {self.world_size}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which global batch each drafter trains and each target computes, step by step (pure).
+
+    Args:
+        layout: the process layout.
+        per_step: global batches per optimizer step (G); a multiple of the drafter count.
+
+    Raises:
+        LayoutError: per_step is not a positive multiple of the layout's drafter count.
+    """
+
+    layout: Layout
+    per_step: int
+
+    def __post_init__(self) -> None:
+        D = self.layout.num_drafters
+        if self.per_step < 1 or self.per_step % D:
+            raise LayoutError(
+                f"{self.per_step} batch(es) per step cannot be split evenly over {D} drafter process(es): "
+                f"set data.batches_per_step to a multiple of {D}"
+            )
+
+    @property
+    def per_drafter(self) -> int:
+        """Batches one drafter trains per step (gradient accumulation when > 1)."""
+        return self.per_step // self.layout.num_drafters
+
+    def batches(self, step: int, drafter: int) -> list[int]:
+        """The global batches drafter `drafter` (0-based) trains at `step`, in training order."""
+        first = step * self.per_step + drafter * self.per_drafter
+        return list(range(first, first + self.per_drafter))
+
+    def drafter_of(self, batch: int) -> int:
+        """The drafter index (0-based) that trains global batch `batch`."""
+        return (batch % self.per_step) // self.per_drafter
+
+    def source(self, batch: int) -> int:
+        """The target rank that computes the features of global batch `batch` (0 when colocated)."""
+        return 0 if self.layout.colocated else batch % self.layout.num_targets
+
+    def sends(self, rank: int, step: int) -> list[tuple[int, int]]:
+        """What target rank `rank` sends at `step`: [(global batch, destination rank)], in send order.
+
+        Between one target and one drafter the batches go in increasing order, the order in which the
+        drafter posts its receives, so messages of one pair never overtake each other.
+        """
+        if self.layout.role(rank) != "target":
+            return []
+        first = step * self.per_step
+        return [
+            (b, self.layout.num_targets + self.drafter_of(b))
+            for b in range(first, first + self.per_step)
+            if self.source(b) == rank
+        ]

@@ -105,7 +105,7 @@ class Shape:
 
 def training_shapes(cfg: TrainConfig) -> list[Shape]:
     """The shapes training uses: every batch is padded to rows_per_step rows of row_len tokens with
-    num_anchors anchors per row (trainer.rank_loop pads), so there is exactly one."""
+    num_anchors anchors per row (trainer.loop pads), so there is exactly one."""
     return [Shape(cfg.rows_per_step, cfg.row_len, cfg.data.num_anchors)]
 
 

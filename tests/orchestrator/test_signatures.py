@@ -221,7 +221,7 @@ def test_training_recompile_line_of_the_trainer_is_a_warning_with_step_and_count
     assert sig.severity == "warning" and "guard failure" in sig.fix and "fixed" in sig.fix
     assert events[0].title.startswith("torch.compile recompiled during training: 2 new graph(s) at step 231")
     assert any("recompile_limit" in n for n in sig.not_this)
-    # The exact line trainer/rank_loop.py logs (colocated: no rank prefix) is recognised too.
+    # The exact line trainer/loop.py logs (colocated: no rank prefix) is recognised too.
     line = ("[compile] recompile during training: 1 new graph(s) at step 7 (recompiles 1); "
             "shapes must stay fixed, see the guard failure above")
     assert [e.signature for e in run_lines(catalogue, line + "\n")] == ["training-recompile"]

@@ -4,6 +4,7 @@ protocol over a real gloo world of two processes, and how a failed rank is descr
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,41 +12,59 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.distributed import DistributedError, FeatureSpec, pack_batch, rank_env_vars, read_rank_env
-from trainer.launch import RankFailure, free_port, rank_environment
+from trainer.distributed import (
+    REPORT_LEN,
+    BatchReport,
+    DistributedError,
+    FeatureSpec,
+    PeerLostError,
+    RankEnv,
+    pack_batch,
+    read_rank_env,
+    select_device,
+    talking_to,
+)
 from trainer.layout import Layout
 from trainer.objective import PackedBatch
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_rank_env_round_trip_and_errors():
-    env = read_rank_env(rank_env_vars(2, 3, 29500))
-    assert (env.rank, env.world_size, env.master_addr, env.master_port) == (2, 3, "127.0.0.1", 29500)
-    with pytest.raises(DistributedError, match=r"RANK, MASTER_PORT not set.*python -m trainer.launch"):
-        read_rank_env({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
+def test_rank_env_is_read_from_the_launchers_variables():
+    env = read_rank_env({"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1"})
+    assert env == RankEnv(rank=2, world_size=3, local_rank=1, node=1)
+    assert read_rank_env({"RANK": "1", "WORLD_SIZE": "2"}) == RankEnv(1, 2, 1, 0)
+    with pytest.raises(DistributedError, match=r"RANK not set.*python -m trainer.launch"):
+        read_rank_env({"WORLD_SIZE": "2"})
     with pytest.raises(DistributedError, match="RANK 3 outside WORLD_SIZE 3"):
-        read_rank_env(rank_env_vars(3, 3, 1))
+        read_rank_env({"RANK": "3", "WORLD_SIZE": "3"})
     with pytest.raises(DistributedError, match="must be integers"):
-        read_rank_env({**rank_env_vars(0, 2, 1), "WORLD_SIZE": "two"})
+        read_rank_env({"RANK": "0", "WORLD_SIZE": "two"})
 
 
-def test_rank_environment_one_gpu_each_and_cpu_threads_split():
-    gpu = Layout(target_gpus=(0, 1, 2, 3, 4), drafter_gpus=(5, 6, 7))
-    e = rank_environment(gpu, 6, 1234, {"PATH": "/bin"})
-    assert e["CUDA_VISIBLE_DEVICES"] == "6" and e["RANK"] == "6" and e["WORLD_SIZE"] == "8"
-    assert e["MASTER_PORT"] == "1234" and e["PATH"] == "/bin" and "OMP_NUM_THREADS" not in e
+def test_each_rank_gets_its_gpu_from_the_layout_and_cpu_ranks_none():
+    env: dict[str, str] = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     cpu = Layout(num_target_procs=1, num_drafter_procs=2)
-    e = rank_environment(cpu, 0, 1, {})
-    assert e["CUDA_VISIBLE_DEVICES"] == "" and int(e["OMP_NUM_THREADS"]) >= 1
-    assert rank_environment(cpu, 0, 1, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+    assert select_device(cpu, 2, env) == torch.device("cpu") and env["CUDA_VISIBLE_DEVICES"] == ""
+    gpu = Layout(target_gpus=(3, 4), drafter_gpus=(0, 7))
+    env = {}
+    if not torch.cuda.is_available():
+        with pytest.raises(DistributedError, match="gives it GPU 7 but CUDA is not available"):
+            select_device(gpu, 3, env)
+    assert env == {"CUDA_VISIBLE_DEVICES": "7", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
-def test_rank_failure_descriptions():
-    assert RankFailure(2, "drafter", -9).describe() == "rank 2 (drafter) was killed by SIGKILL"
-    assert RankFailure(2, "drafter", -9).exit_code == 1
-    assert RankFailure(0, "target", 2).describe() == "rank 0 (target) exited with code 2"
-    assert RankFailure(0, "target", 2).exit_code == 2
+def test_batch_report_round_trips_through_its_tensor():
+    r = BatchReport(0.5, 1024, alloc_mb=1.0, peak_mb=2.0, rss_mb=3.0, peak_rss_mb=4.0)
+    assert BatchReport.from_tensor(r.to_tensor()) == r and r.to_tensor().shape == (REPORT_LEN,)
+    assert r.memory() == {"alloc_mb": 1.0, "peak_mb": 2.0, "rss_mb": 3.0, "peak_rss_mb": 4.0}
+
+
+def test_a_failed_wait_on_a_peer_is_a_peer_lost_error():
+    with pytest.raises(PeerLostError, match="receiving features from rank 0: RuntimeError: Connection reset") as info:
+        with talking_to("receiving features from rank 0"):
+            raise RuntimeError("Connection reset by peer")
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def _batch(R=2, L=8, F=6, seed=0) -> PackedBatch:
@@ -57,26 +76,25 @@ def _batch(R=2, L=8, F=6, seed=0) -> PackedBatch:
 
 def test_pack_batch_refuses_a_batch_of_another_shape():
     spec = FeatureSpec(2, 8, 6, torch.float32, torch.device("cpu"))
-    ids, feats, stats = pack_batch(_batch(), torch.zeros(6), spec)
+    ids, feats, stats = pack_batch(_batch(), BatchReport(0.0, 0.0), spec)
     assert ids.shape == (4, 2, 8) and feats.shape == (2, 8, 6) and stats.dtype == torch.float64
     with pytest.raises(ValueError, match=r"does not match the fixed shape \(2, 8, 6\).*pad every batch"):
-        pack_batch(_batch(R=1), torch.zeros(6), spec)
+        pack_batch(_batch(R=1), BatchReport(0.0, 0.0), spec)
 
 
 _PEER = r"""
 import sys, torch
-from trainer.distributed import FeatureSpec, PendingBatch, init_groups, read_rank_env, send_batch
+from trainer.distributed import BatchReport, FeatureSpec, PendingBatch, init_world, read_rank_env, send_batch, wait_sent
 from trainer.layout import Layout
 sys.path.insert(0, sys.argv[1])
 from test_distributed import _batch
 env = read_rank_env()
-groups = init_groups(Layout(num_target_procs=1, num_drafter_procs=1), env, 30)
+world = init_world(Layout(num_target_procs=1, num_drafter_procs=1), env, 30)
 spec = FeatureSpec(2, 8, 6, torch.bfloat16, torch.device("cpu"))
 if env.rank == 0:
-    works = [send_batch(_batch(seed=s), torch.full((6,), float(s), dtype=torch.float64), 1, spec) for s in range(3)]
+    works = [send_batch(_batch(seed=s), BatchReport(*[float(s)] * 6), 1, spec) for s in range(3)]
     for w in works:
-        for work, _ in w:
-            work.wait()
+        wait_sent(w, 1)
 else:
     pending = [PendingBatch(0, spec) for _ in range(3)]  # posted ahead, like a drafter's prefetch
     for s, p in enumerate(pending):
@@ -85,17 +103,23 @@ else:
         assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.position_ids, want.position_ids)
         assert torch.equal(got.loss_mask, want.loss_mask) and torch.equal(got.doc_ids, want.doc_ids)
         assert torch.equal(got.target_hidden, want.target_hidden.to(torch.bfloat16))
-        assert stats.tolist() == [float(s)] * 6
+        assert stats == BatchReport(*[float(s)] * 6)
     print("received 3 batches in order")
 """
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_feature_messages_arrive_in_order_over_gloo():
-    port = free_port()
-    layout = Layout(num_target_procs=1, num_drafter_procs=1)
+    port = _free_port()
     procs = []
     for rank in range(2):
-        env = rank_environment(layout, rank, port, dict(os.environ, PYTHONPATH=str(REPO)))
+        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "-c", _PEER, str(Path(__file__).parent)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -106,7 +130,7 @@ def test_feature_messages_arrive_in_order_over_gloo():
 def test_plan_steps_are_the_same_for_every_rank_and_batches_are_padded():
     from trainer.config import parse_config
     from trainer.data import DataError
-    from trainer.rank_loop import anchor_generator, make_plan, padded_rows
+    from trainer.loop import anchor_generator, make_plan, padded_rows
 
     cfg = parse_config({"epochs": 2, "data": {"max_len": 64, "token_budget": 256, "max_batch_size": 4}})
     lengths = [40] * 10  # one per row, 4 rows per batch: 3 batches per epoch, 6 in all

@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.layout import Layout, LayoutError
+from trainer.layout import Layout, LayoutError, Schedule
 
 
 def test_production_layout_5_plus_3():
@@ -14,33 +14,54 @@ def test_production_layout_5_plus_3():
 
 def test_schedule_every_batch_sent_once_and_received_once():
     lay = Layout(target_gpus=[0, 1, 2, 3, 4], drafter_gpus=[5, 6, 7])
+    sch = Schedule(lay, 3)
     for step in range(20):
-        sent = [item for t in lay.target_ranks() for item in lay.sends(t, step)]
-        # Each drafter receives exactly one batch per step, from the rank source_of names.
+        sent = [item for t in lay.target_ranks() for item in sch.sends(t, step)]
+        # Each drafter receives exactly one batch per step, from the rank `source` names.
         assert sorted(dst for _, dst in sent) == [5, 6, 7]
         for batch, dst in sent:
             d = dst - 5
-            assert batch == lay.batch_index(step, d)
-            assert dst in [dst for _, dst in lay.sends(lay.source_of(step, d), step)]
+            assert sch.batches(step, d) == [batch]
+            assert (batch, dst) in sch.sends(sch.source(batch), step)
     # Batches are consecutive and disjoint across steps.
-    seen = [lay.batch_index(s, d) for s in range(10) for d in range(3)]
+    seen = [b for s in range(10) for d in range(3) for b in sch.batches(s, d)]
     assert seen == list(range(30))
     # Load is spread: over 5 steps every target sends 3 batches.
-    counts = {t: sum(len(lay.sends(t, s)) for s in range(5)) for t in lay.target_ranks()}
+    counts = {t: sum(len(sch.sends(t, s)) for s in range(5)) for t in lay.target_ranks()}
     assert set(counts.values()) == {3}
+
+
+def test_schedule_with_accumulation_covers_the_same_batches_in_any_layout():
+    # Six batches per step: one drafter trains all six, two drafters three each, three drafters two each.
+    for drafters in (1, 2, 3):
+        lay = Layout(num_target_procs=2, num_drafter_procs=drafters) if drafters > 1 else Layout()
+        sch = Schedule(lay, 6)
+        assert sch.per_drafter == 6 // drafters
+        for step in range(4):
+            got = [b for d in range(drafters) for b in sch.batches(step, d)]
+            assert got == list(range(6 * step, 6 * step + 6))
+            assert all(sch.drafter_of(b) == d for d in range(drafters) for b in sch.batches(step, d))
+        if drafters > 1:
+            # per (target, drafter) pair the sends are in increasing batch order: the drafter's receive order
+            for t in lay.target_ranks():
+                for dst in lay.drafter_ranks():
+                    order = [b for s in range(4) for b, to in sch.sends(t, s) if to == dst]
+                    assert order == sorted(order)
+    with pytest.raises(LayoutError, match="set data.batches_per_step to a multiple of 2"):
+        Schedule(Layout(num_target_procs=1, num_drafter_procs=2), 3)
 
 
 def test_cpu_layout_1_plus_2():
     lay = Layout(num_target_procs=1, num_drafter_procs=2)
     assert lay.world_size == 3 and not lay.uses_gpus
-    assert lay.sends(0, 0) == [(0, 1), (1, 2)]
+    assert Schedule(lay, 2).sends(0, 0) == [(0, 1), (1, 2)]
     assert lay.env(1) == {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_colocated():
     lay = Layout()
     assert lay.colocated and lay.world_size == 1 and lay.role(0) == "colocated"
-    assert lay.drafter_ranks() == [0] and lay.source_of(3, 0) == 0
+    assert lay.drafter_ranks() == [0] and Schedule(lay, 1).source(3) == 0
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ import pytest
 
 from trainer.config import OptimConfig, TinyTargetConfig
 from trainer.metrics import read_metrics
-from trainer.train import get_lr, resolve_mask_token_id
+from trainer.loop import get_lr
+from trainer.setup import resolve_mask_token_id
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,15 +63,17 @@ def launch(args: list[str], env: dict, timeout: float = 300) -> subprocess.Compl
     )
 
 
-def reference(cfg: dict, env: dict, micro_batches: int = 2) -> list[dict]:
-    """The single-process run at the same global batch, in a fresh process (same thread settings as a rank)."""
-    code = (
-        "import json,sys,torch; torch.set_num_threads(1)\n"
-        "from trainer.config import parse_config\n"
-        "from trainer.rank_loop import train_reference\n"
-        f"train_reference(parse_config(json.loads(sys.argv[1])), {micro_batches})\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=300)
+def reference(cfg: dict, env: dict, batches_per_step: int = 2) -> list[dict]:
+    """The single-process run at the same global batch: the colocated loop accumulating `batches_per_step`
+    batches per step, in a fresh process (same thread settings as a rank)."""
+    cfg = json.loads(json.dumps(cfg))
+    cfg["data"]["batches_per_step"] = batches_per_step
+    path = Path(cfg["output_dir"]).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg))
+    code = "import sys, torch; torch.set_num_threads(1)\nfrom trainer.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+    proc = subprocess.run([sys.executable, "-c", code, "train", "--config", str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return [r for r in read_metrics(Path(cfg["output_dir"]) / "metrics.jsonl") if r["kind"] == "train"]
 
@@ -104,6 +107,53 @@ def test_one_target_two_drafters_match_the_single_process_run(tmp_path, env):
     assert len(final) == 1 and final[0]["step"] == 6
     assert (tmp_path / "split" / "export" / "model.safetensors").exists()
     assert (tmp_path / "split" / "checkpoints" / "step_00000006" / "meta.json").exists()
+
+
+def _as_if_killed_after(run_dir: Path, step: int) -> None:
+    """Leave the run as a kill right after the checkpoint of `step` would: newer checkpoints gone."""
+    for p in (run_dir / "checkpoints").iterdir():
+        if p.name.startswith("step_") and int(p.name[len("step_"):]) > step:
+            shutil.rmtree(p)
+
+
+@pytest.mark.parametrize("first, second", [("colocated", "split"), ("split", "colocated")])
+def test_a_checkpoint_resumes_under_the_other_layout_with_the_reference_loss(tmp_path, env, first, second):
+    # Two batches per step in every layout: the colocated process accumulates both, two drafters one each.
+    layouts = {"colocated": {}, "split": SPLIT}
+
+    def config(name: str, layout: dict) -> dict:
+        cfg = small_config(tmp_path / name, layout, save_every=3, keep_checkpoints=3)
+        cfg["data"]["batches_per_step"] = 2
+        return cfg
+
+    ref = reference(small_config(tmp_path / "ref"), env)
+    proc = launch(["--config", str(write(tmp_path / "first.json", config("first", layouts[first])))], env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "first", run_dir)
+    _as_if_killed_after(run_dir, 3)
+
+    cfg_path = write(tmp_path / "second.json", config("unused", layouts[second]))
+    proc = launch(["--resume", str(run_dir), "--config", str(cfg_path)], env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert re.search(r"^(\[rank 1\] )?resumed from step 3$", proc.stdout, re.M), proc.stdout[-3000:]
+    got = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in got] == list(range(1, 7)), "a resumed run neither repeats nor skips a step"
+    assert [len(r["memory"]) for r in got[3:]] == [3 if second == "split" else 1] * 3  # really the other layout
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
+
+
+def test_a_checkpoint_of_another_batch_count_is_refused_with_the_setting_to_use(tmp_path, env):
+    cfg = small_config(tmp_path / "run", max_steps=2, save_every=1)
+    proc = launch(["--config", str(write(tmp_path / "a.json", cfg))], env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    _as_if_killed_after(tmp_path / "run", 1)
+    split = write(tmp_path / "b.json", small_config(tmp_path / "unused", SPLIT, max_steps=2))
+    proc = launch(["--resume", str(tmp_path / "run"), "--config", str(split)], env)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert "was trained with 1 batch(es) per step, this config has 2" in proc.stdout + proc.stderr
+    assert "set data.batches_per_step: 1" in proc.stdout + proc.stderr
 
 
 def test_a_failing_rank_ends_the_run_with_its_traceback(tmp_path, env):

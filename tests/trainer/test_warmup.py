@@ -68,10 +68,12 @@ def test_second_warmup_hits_the_cache_and_training_does_not_recompile(tmp_path):
     assert w["compile_s"] * 5 <= c["compile_s"], (c["compile_s"], w["compile_s"])
     assert (cache / "fxgraph").is_dir()
 
-    # Training with the warmed cache: same shapes, so step 1 loads and no later step compiles.
+    # Training (the colocated loop, which honours compile.enabled) with the warmed cache: same shapes, so
+    # step 1 loads and no later step compiles.
     code = (
-        "import json,sys\nfrom trainer.config import parse_config\nfrom trainer.rank_loop import train_reference\n"
-        "train_reference(parse_config(json.loads(sys.argv[1])), 1)\n"
+        "import json,sys\nfrom trainer.config import parse_config\nfrom trainer.distributed import single_world\n"
+        "from trainer.loop import train\ncfg = parse_config(json.loads(sys.argv[1]))\n"
+        "train(cfg, single_world(cfg.layout.to_layout()))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -1,0 +1,550 @@
+"""The training loop every rank runs, as plain as nanoGPT.
+
+    python -m trainer.launch --config F     any layout: torch's elastic launcher starts one process per rank
+    python -m trainer train --config F      the colocated layout in this process
+
+A rank's role (trainer.layout.Layout) says which half it runs:
+
+    target rank   serve_features: step by step, compute the features of the batches Schedule.sends names
+                  and send them, `layout.prefetch` steps ahead of the drafters
+    drafter rank  train: per step, the step's batches from a feature source -> dflash_loss with each batch's
+                  anchors -> backward (DDP averages over drafters) -> clip -> AdamW at get_lr(step)
+    colocated     train with LocalFeatures: the same loop at world size 1, features computed in-process
+
+Global batches: the packing plan of every epoch, concatenated. Optimizer step s trains batches s*G .. s*G+G-1
+(G = data.batches_per_step, by default one per drafter rank), split over the drafters (trainer.layout.Schedule);
+a drafter with several batches accumulates their gradients. Every batch is padded to rows_per_step rows of
+row_len tokens (fixed shapes: the feature messages and the compiled kernels never change size), and draws its
+anchors from a generator seeded by (seed, batch index). So the loss at a step depends on G, never on the
+layout: any layout trains the same sequence of updates, and a checkpoint of one layout resumes under another.
+
+Only the main drafter rank (the first) logs metrics, saves checkpoints, evaluates τ and exports.
+Checkpoints (one format for every layout): the drafter module's state (never DDP's), AdamW's state, the step,
+G and the RNG states; resume takes the newest complete one and every rank agrees on its step.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from trainer.config import OptimConfig, TrainConfig
+from trainer.data import DataError, build_step, plan_epoch, target_features
+from trainer.distributed import BatchReport, FeatureSpec, PendingBatch, World, send_batch, talking_to, wait_sent
+from trainer.layout import Schedule
+from trainer.metrics import MetricsWriter, memory_stats, rewind_metrics
+from trainer.objective import PackedBatch, dflash_loss
+from trainer.setup import Assets, TrainError, load_assets, seed_everything, write_json
+from trainer.stats import MEM_KEYS, StepStats
+
+CHECKPOINT_FORMAT = 2
+"""Version of the checkpoint contents written by this loop (refuse others with a reason)."""
+
+Log = Callable[[str], None]
+
+
+def get_lr(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to min_lr.
+
+    Warm-up lasts round(warmup_ratio * total_steps) steps (at least 1 when warmup_ratio > 0); step 0
+    already gets a non-zero lr (lr / warmup) so no step is wasted.
+    """
+    warmup = int(round(cfg.warmup_ratio * total_steps))
+    if cfg.warmup_ratio > 0:
+        warmup = max(1, warmup)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    decay_steps = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced (τ: None where not measured, and on every rank but the main one)."""
+
+    steps: int
+    tau_before: float | None
+    tau_after: float | None
+    export_dir: Path
+    output_dir: Path
+
+
+# -- the global plan -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Every global batch in order (epoch, rows), G batches per step, and the number of steps."""
+
+    batches: list[tuple[int, list[list[int]]]]
+    per_step: int
+    steps: int
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch of the first batch of optimizer step `step` (0-based)."""
+        return self.batches[step * self.per_step][0]
+
+
+def make_plan(cfg: TrainConfig, lengths: list[int], per_step: int) -> Plan:
+    """The global batch sequence and the step count (a pure function of the samples and the config).
+
+    Raises:
+        DataError: fewer batches than one step takes.
+    """
+    batches = []
+    for epoch in range(cfg.epochs):
+        for rows in plan_epoch(lengths, cfg.row_len, cfg.rows_per_step, cfg.data.token_budget, cfg.seed, epoch):
+            batches.append((epoch, rows))
+    steps = len(batches) // per_step
+    if cfg.max_steps is not None:
+        steps = min(steps, cfg.max_steps)
+    if steps < 1:
+        raise DataError(
+            f"{len(batches)} packed batch(es), {per_step} per step: not one step; add data or epochs, "
+            "or lower data.batches_per_step"
+        )
+    return Plan(batches, per_step, steps)
+
+
+def padded_rows(rows: list[list[int]], rows_per_step: int) -> list[list[int]]:
+    """A batch's rows padded with empty rows to the fixed row count (an empty row is all padding)."""
+    return list(rows) + [[] for _ in range(rows_per_step - len(rows))]
+
+
+def anchor_generator(seed: int, batch_index: int) -> torch.Generator:
+    """The anchor RNG of global batch `batch_index`: the same in every layout (CPU: same draws everywhere)."""
+    return torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + batch_index + 1) % (2**63))
+
+
+def rank_memory(device: torch.device) -> dict[str, float]:
+    """Memory of this process in MiB (MEM_KEYS): allocated and peak on CUDA; on CPU both are the resident set."""
+    m = memory_stats()
+    rss = m.get("rss_mb", 0.0)
+    peak_rss = max(rss, m.get("peak_rss_mb", 0.0))  # two sources (statm, getrusage) can disagree by pages
+    if device.type == "cuda":
+        alloc, peak = torch.cuda.memory_allocated() / 2**20, torch.cuda.max_memory_allocated() / 2**20
+    else:
+        alloc, peak = rss, peak_rss
+    return {"alloc_mb": alloc, "peak_mb": peak, "rss_mb": rss, "peak_rss_mb": peak_rss}
+
+
+def compute_batch(assets: Assets, rows: list[list[int]], cfg: TrainConfig):
+    """(PackedBatch with features, target seconds) for one global batch, computed by the local target."""
+    t0 = time.perf_counter()
+    packed = build_step(assets.samples, padded_rows(rows, cfg.rows_per_step), cfg.row_len, assets.pad_id)
+    feats = target_features(assets.target, assets.samples, packed)  # [R, L, F] in the target's dtype
+    if feats.is_cuda:
+        torch.cuda.synchronize()  # CPU-GPU sync point: the target time must include its kernels
+    batch = PackedBatch(packed.input_ids, packed.loss_mask, packed.doc_ids, packed.position_ids, feats)
+    return batch, time.perf_counter() - t0
+
+
+def feature_spec(cfg: TrainConfig, assets: Assets, device: torch.device) -> FeatureSpec:
+    """The fixed message shapes of this run (every rank derives the same)."""
+    dtype = next(assets.target.parameters()).dtype
+    return FeatureSpec(cfg.rows_per_step, cfg.row_len, assets.target.feature_size, dtype, device)
+
+
+# -- feature sources: where a drafter's batches come from ----------------------------------------------
+@dataclass
+class Item:
+    """One batch to train on: its global index, the batch, and what its target reported."""
+
+    index: int
+    batch: Any
+    report: BatchReport
+    source: int
+
+
+class LocalFeatures:
+    """Batches computed in this process by the local target (the colocated layout)."""
+
+    def __init__(self, cfg: TrainConfig, assets: Assets, plan: Plan, schedule: Schedule):
+        self.cfg, self.assets, self.plan, self.schedule = cfg, assets, plan, schedule
+
+    def start(self, step: int) -> None:
+        """Nothing to post ahead: batches are computed when asked for."""
+
+    def __call__(self, step: int) -> list[Item]:
+        items = []
+        for b in self.schedule.batches(step, 0):
+            batch, secs = compute_batch(self.assets, self.plan.batches[b][1], self.cfg)
+            items.append(Item(b, batch, BatchReport(secs, batch.num_tokens), 0))
+        return items
+
+
+class RemoteFeatures:
+    """Batches sent by the target ranks; the next step's receives are posted before this step trains."""
+
+    def __init__(self, world: World, schedule: Schedule, spec: FeatureSpec, steps: int):
+        self.schedule, self.spec, self.steps = schedule, spec, steps
+        self.drafter = world.layout.drafter_index(world.rank)
+        self.pending: tuple[int, list] | None = None
+
+    def start(self, step: int) -> None:
+        """Post the receives of `step` (none past the last step)."""
+        if step >= self.steps:
+            self.pending = None
+            return
+        posted = []
+        for b in self.schedule.batches(step, self.drafter):
+            posted.append((b, PendingBatch(self.schedule.source(b), self.spec)))
+        self.pending = (step, posted)
+
+    def __call__(self, step: int) -> list[Item]:
+        if self.pending is None or self.pending[0] != step:
+            raise TrainError(f"feature stream out of step: expected step {step}, posted {self.pending and self.pending[0]}")
+        items = []
+        for b, pending in self.pending[1]:
+            batch, report = pending.wait()
+            items.append(Item(b, batch, report, pending.src))
+        self.start(step + 1)
+        return items
+
+
+# -- target ranks ----------------------------------------------------------------------------------------
+def serve_features(cfg: TrainConfig, world: World, log: Log) -> None:
+    """A target rank: compute and send the features of its batches, step by step, `prefetch` ahead."""
+    assets = load_assets(cfg, world.device, builds_data=world.rank == 0, wants_eval=False, log=log)
+    schedule = Schedule(world.layout, cfg.batches_per_step)
+    plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
+    spec = feature_spec(cfg, assets, world.device)
+    step = world.agree_step(0)
+    per_step = max(1, -(-schedule.per_step // world.layout.num_targets))
+    cap = cfg.layout.prefetch * per_step
+    inflight: collections.deque = collections.deque()
+    log(f"target rank {world.rank} (pid {os.getpid()}): steps {step}..{plan.steps}, features [{spec.rows}, {spec.row_len}, {spec.feat_dim}] {spec.feat_dtype}")
+    for s in range(step, plan.steps):
+        for b, dst in schedule.sends(world.rank, s):
+            batch, secs = compute_batch(assets, plan.batches[b][1], cfg)
+            report = BatchReport(secs, batch.num_tokens, **rank_memory(world.device))
+            inflight.append((send_batch(batch, report, dst, spec), dst))
+            while len(inflight) > cap:  # bounded: wait for the oldest batch to be received
+                wait_sent(*inflight.popleft())
+    while inflight:
+        wait_sent(*inflight.popleft())
+    log(f"target rank {world.rank}: sent every batch")
+
+
+# -- the drafter being trained ---------------------------------------------------------------------------
+class _ModelView:
+    """What dflash_loss needs of a drafter, with the forward going through DDP (attributes from the module)."""
+
+    def __init__(self, wrapped, module):
+        self._wrapped, self._module = wrapped, module
+
+    def __call__(self, *args, **kwargs):
+        return self._wrapped(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+@dataclass
+class Drafter:
+    """The drafter module, what its forward goes through (DDP or itself), its optimizer, compile state."""
+
+    module: torch.nn.Module
+    view: Any
+    opt: torch.optim.Optimizer
+    ddp: Any
+    compiled: bool
+
+    def syncing(self, last: bool):
+        """Gradient accumulation: DDP all-reduces only on the last micro-batch of a step."""
+        return contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
+
+
+def build_drafter(cfg: TrainConfig, assets: Assets, world: World, log: Log) -> Drafter:
+    """The drafter (seeded: the same initial weights on every rank), compiled if asked, DDP over drafters."""
+    from trainer.model import DFlashDrafter
+    from trainer.warmup import compile_drafter, configure_compile
+
+    cache_dir = configure_compile(cfg.compile)
+    seed_everything(cfg.seed)  # drafter init independent of what setup consumed
+    module = DFlashDrafter.from_target(cfg.model, assets.target, assets.mask_token_id).to(world.device)
+    module.train()
+    compiled = compile_drafter(module, cfg.compile)
+    if compiled or (module.backend == "flex" and world.device.type == "cuda"):
+        torch._logging.set_logs(recompiles=True)  # torch's own "Recompiling function ..." lines name the guard
+        log(f"[compile] inductor cache {cache_dir}")
+    opt = torch.optim.AdamW(module.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    ddp = None
+    if world.drafters is not None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        with talking_to("DDP set-up (broadcast of the initial weights)"):
+            ids = [0] if world.device.type == "cuda" else None
+            ddp = DDP(module, device_ids=ids, process_group=world.drafters)
+    return Drafter(module, _ModelView(ddp or module, module), opt, ddp, compiled)
+
+
+def save_checkpoint(ckpts: CheckpointManager, drafter: Drafter, step: int, per_step: int, log: Log) -> None:
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "model": drafter.module.state_dict(),
+        "optimizer": drafter.opt.state_dict(),
+        "rng": capture_rng_state(),
+        "data": {"batches_per_step": per_step},
+        "step": step,
+    }
+    log(f"[ckpt] step {step} -> {ckpts.save(step, state)}")
+
+
+def resume(cfg: TrainConfig, world: World, drafter: Drafter, per_step: int, log: Log) -> tuple[int, bool]:
+    """Load the newest complete checkpoint (if any) into the drafter; every rank agrees on its step.
+
+    Returns:
+        (step to continue from, whether a checkpoint was loaded).
+
+    Raises:
+        TrainError: the ranks see different checkpoints, or one of another format or batches per step.
+    """
+    out = Path(cfg.output_dir)
+    ckpts = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
+    resumed = ckpts.load_latest(map_location="cpu")
+    step = world.agree_step(resumed[0] if resumed else 0)
+    if not step:
+        return 0, False
+    if resumed is None or resumed[0] != step:
+        raise TrainError(f"ranks disagree on the checkpoint to resume from (main: step {step}); is {out} shared?")
+    state = resumed[1]
+    where = f"checkpoint step {step} in {out / 'checkpoints'}"
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise TrainError(f"{where} was written by an older trainer (format {state.get('format', 1)}, this one reads "
+                         f"{CHECKPOINT_FORMAT}); start a fresh run")
+    got = state["data"]["batches_per_step"]
+    if got != per_step:
+        raise TrainError(f"{where} was trained with {got} batch(es) per step, this config has {per_step}: the global "
+                         f"batches would not line up; set data.batches_per_step: {got}")
+    drafter.module.load_state_dict(state["model"])
+    drafter.opt.load_state_dict(state["optimizer"])
+    restore_rng_state(state["rng"])
+    if world.is_main:
+        rewind_metrics(out / "metrics.jsonl", step)  # lines logged after this checkpoint repeat: drop them
+    log(f"resumed from step {step}")
+    return step, True
+
+
+# -- evaluation (main drafter rank) -----------------------------------------------------------------------
+class Evaluation:
+    """τ before, during and after training, through trainer.evaluate.periodic_eval (every mode of
+    cfg.evaluation, on the weights as the export ships them)."""
+
+    def __init__(self, cfg: TrainConfig, assets: Assets, metrics: MetricsWriter, log: Log):
+        self.cfg, self.assets, self.metrics, self.log = cfg, assets, metrics, log
+        self.out = Path(cfg.output_dir)
+        tiny = cfg.model.target == "tiny"
+        self.max_new_tokens = cfg.model.tiny_target.response_tokens if tiny else cfg.data.eval_max_new_tokens
+
+    def run(self, module, step: int, when: str, export_dir: Path | None = None):
+        """Evaluate (the written export when given), record a metrics line, and for "before"/"after" write
+        eval_<when>.json. Returns the EvalReport, None without held-out prompts."""
+        from trainer.evaluate import periodic_eval
+
+        a = self.assets
+        report = periodic_eval(module, a.target, a.eval_prompts, self.cfg.evaluation, max_new_tokens=self.max_new_tokens,
+                               stop_token_ids=a.stop_ids, export_dir=export_dir)
+        if report is None:
+            return None
+        if when != "during":
+            report.save(self.out / f"eval_{when}.json")
+        self.metrics.write({"kind": "eval", "step": step, "when": when, **report.to_record()})
+        note = {"before": " (untrained drafter)", "after": " (the export)", "during": ""}[when]
+        self.log(f"[eval] step {step} τ {report.tau:.3f}{note}")
+        return report
+
+    def tau_before(self) -> float | None:
+        p = self.out / "eval_before.json"
+        return json.loads(p.read_text())["tau"] if p.exists() else None
+
+
+class CompileWatch:
+    """Reports graphs compiled after the first step: shapes are fixed, so any is a recompile."""
+
+    def __init__(self, log: Log):
+        self.log, self.first, self.recompiles = log, None, 0
+
+    def check(self, step: int) -> None:
+        from trainer.warmup import compile_counters
+
+        graphs = compile_counters()["unique_graphs"]
+        if self.first is None:
+            self.first = graphs  # the first step compiles (or loads from the cache): that is the warm-up
+        elif graphs > self.first + self.recompiles:
+            new = graphs - self.first - self.recompiles
+            self.recompiles += new
+            # A line for the log follower; torch's own "Recompiling function" line above it names the guard.
+            self.log(f"[compile] recompile during training: {new} new graph(s) at step {step} (recompiles "
+                     f"{self.recompiles}); shapes must stay fixed, see the guard failure above")
+
+
+# -- the drafter loop ---------------------------------------------------------------------------------------
+@dataclass
+class _Run:
+    """Everything a drafter rank's loop holds (built once by `train`)."""
+
+    cfg: TrainConfig
+    world: World
+    assets: Assets
+    plan: Plan
+    schedule: Schedule
+    drafter: Drafter
+    features: Any
+    log: Log
+    metrics: MetricsWriter | None = None
+    evaluation: Evaluation | None = None
+    ckpts: CheckpointManager | None = None
+    grad_norm: float = 0.0
+    recompiles: int = 0
+
+
+def train_step(run: _Run, step: int, stats: StepStats) -> float:
+    """One optimizer step over this rank's batches of `step`; returns the lr used."""
+    cfg, d = run.cfg, run.drafter
+    t0 = time.perf_counter()
+    items = run.features(step)
+    t_wait = time.perf_counter() - t0
+    lr = get_lr(step, run.plan.steps, cfg.optim)
+    for group in d.opt.param_groups:
+        group["lr"] = lr
+    scale = 1.0 / len(items)  # with DDP's mean over drafters: the mean loss of the step's G batches
+    for j, item in enumerate(items):
+        last = j == len(items) - 1
+        with d.syncing(last):
+            gen = anchor_generator(cfg.seed, item.index)
+            res = dflash_loss(d.view, item.batch, num_anchors=cfg.data.num_anchors, gamma=cfg.resolved_gamma, generator=gen)
+            talk = talking_to("DDP gradient all-reduce") if d.ddp is not None and last else contextlib.nullcontext()
+            with talk:
+                (res.loss * scale).backward()
+        stats.add_batch(res, item.batch.num_tokens, item.source, item.report.target_s)
+        if not run.world.layout.colocated:
+            stats.set_memory(item.source, item.report.memory())
+    run.grad_norm = float(torch.nn.utils.clip_grad_norm_(d.module.parameters(), cfg.optim.grad_clip))
+    d.opt.step()
+    d.opt.zero_grad(set_to_none=True)
+    stats.drafter_s += time.perf_counter() - t0 - t_wait
+    stats.wait_s += t_wait
+    return lr
+
+
+def log_step(run: _Run, step: int, lr: float, stats: StepStats, wall_s: float, t_start: float, recompiles: int) -> None:
+    """Reduce the window's statistics over the drafters; the main rank writes the record and the log line."""
+    world = run.world
+    stats.set_memory(world.rank, rank_memory(world.device))
+    with talking_to("reducing step statistics"):
+        tot = stats.reduced(world.drafters, world.device)
+    if not world.is_main:
+        return
+    procs = world.layout.num_drafters if world.drafters is not None else 1
+    layout = world.layout
+    mine = rank_memory(world.device)
+    rec = {"kind": "train", "step": step, "epoch": run.plan.epoch_of(step - 1), **tot.record(wall_s, procs),
+           "grad_norm": run.grad_norm, "lr": lr, "recompiles": recompiles,
+           "memory": [{"rank": r, "role": layout.role(r), **dict(zip(MEM_KEYS, tot.memory[r].tolist()))}
+                      for r in range(layout.world_size)],
+           "rss_mb": mine["rss_mb"], "peak_rss_mb": mine["peak_rss_mb"], "max_peak_mb": float(tot.memory[:, 1].max()),
+           "time": time.time(), "elapsed_s": time.perf_counter() - t_start}
+    run.metrics.write(rec)
+    run.log(
+        f"step {step}/{run.plan.steps} loss {rec['loss']:.4f} acc {rec['acc']:.3f} sim_tau {rec['sim_tau']:.2f} "
+        f"{rec['tokens_per_s']:.0f} tok/s (target {rec['target_tokens_per_s']:.0f}, drafter "
+        f"{rec['drafter_tokens_per_s']:.0f}) lr {lr:.2e} peak {rec['max_peak_mb']:.0f}MB recompiles {recompiles}"
+    )
+
+
+def train_steps(run: _Run, step: int) -> int:
+    """Steps from `step` to the end: log, checkpoint and evaluate on their schedules. Returns the last step."""
+    cfg, plan, world = run.cfg, run.plan, run.world
+    layout = world.layout
+    stats = StepStats(cfg.model.block_size, layout.num_targets, layout.world_size)
+    watch = CompileWatch(run.log)
+    t_start = t_mark = time.perf_counter()
+    run.features.start(step)
+    while step < plan.steps:
+        lr = train_step(run, step, stats)
+        step += 1
+        watch.check(step)
+        if step % cfg.log_every == 0 or step == plan.steps:
+            log_step(run, step, lr, stats, time.perf_counter() - t_mark, t_start, watch.recompiles)
+            stats, t_mark = stats.fresh(), time.perf_counter()
+        if world.is_main and step % cfg.save_every == 0 and step < plan.steps:
+            save_checkpoint(run.ckpts, run.drafter, step, plan.per_step, run.log)
+        if world.is_main and cfg.eval_every and step % cfg.eval_every == 0 and step < plan.steps:
+            run.evaluation.run(run.drafter.module, step, "during")
+    run.recompiles = watch.recompiles
+    return step
+
+
+def _finish(run: _Run, step: int) -> TrainResult:
+    """Main rank: the last checkpoint, the export, τ after training, the final metrics line."""
+    from trainer.export import export_drafter
+
+    out = Path(run.cfg.output_dir)
+    export_dir = out / "export"
+    if not run.world.is_main:
+        return TrainResult(step, None, None, export_dir, out)
+    save_checkpoint(run.ckpts, run.drafter, step, run.plan.per_step, run.log)
+    export_drafter(run.drafter.module, run.assets.target, export_dir)
+    run.log(f"[export] {export_dir}")
+    after = run.evaluation.run(run.drafter.module, step, "after", export_dir)
+    tau_after = after.tau if after else None
+    tau_before = run.evaluation.tau_before()
+    run.metrics.write({"kind": "final", "step": step, "tau_before": tau_before, "tau_after": tau_after,
+                       "recompiles": run.recompiles, "time": time.time()})
+    run.metrics.close()
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    run.log(f"done: {step} steps; τ before {fmt(tau_before)} -> after {fmt(tau_after)}; export {export_dir}")
+    return TrainResult(step, tau_before, tau_after, export_dir, out)
+
+
+def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
+    """A drafter rank (or the colocated one): train, or resume, as configured; see the module docstring.
+
+    Raises:
+        TrainError, DataError: the config or data cannot be trained on (the message says what to fix).
+    """
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    layout = world.layout
+    if world.is_main:
+        write_json(out / "config.resolved.json", cfg.model_dump(mode="json"))
+    assets = load_assets(cfg, world.device, builds_data=layout.colocated, wants_eval=world.is_main, log=log)
+    schedule = Schedule(layout, cfg.batches_per_step)
+    plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
+    drafter = build_drafter(cfg, assets, world, log)
+    step, resumed = resume(cfg, world, drafter, schedule.per_step, log)
+    if layout.colocated:
+        features = LocalFeatures(cfg, assets, plan, schedule)
+    else:
+        features = RemoteFeatures(world, schedule, feature_spec(cfg, assets, world.device), plan.steps)
+    run = _Run(cfg, world, assets, plan, schedule, drafter, features, log)
+    log(f"drafter rank {world.rank} (pid {os.getpid()}): {sum(p.numel() for p in drafter.module.parameters()) / 1e6:.2f}M params, "
+        f"backend {drafter.module.backend}, compiled forward {drafter.compiled}; {plan.steps} steps x "
+        f"{schedule.per_step} batch(es) of {cfg.rows_per_step} rows x {cfg.row_len} ({schedule.per_drafter} on this rank)")
+    if world.is_main:
+        run.metrics = MetricsWriter(out / "metrics.jsonl")
+        run.evaluation = Evaluation(cfg, assets, run.metrics, log)
+        run.ckpts = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
+        if not resumed or not (out / "eval_before.json").exists():
+            run.evaluation.run(drafter.module, step, "before")
+    step = train_steps(run, step)
+    return _finish(run, step)
+
+
+def run_rank(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult | None:
+    """What this rank does in the run: serve features (target ranks) or train (the others)."""
+    if world.role == "target":
+        serve_features(cfg, world, log)
+        return None
+    return train(cfg, world, log)

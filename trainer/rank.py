@@ -1,0 +1,103 @@
+"""`python -m trainer.rank --config FILE`: one rank of a run (started by `python -m trainer.launch`).
+
+Reads where it sits from the launcher's environment (trainer.distributed.read_rank_env), takes its device
+from the layout, joins the world and runs its part of the loop (trainer.loop.run_rank).
+
+The entry point is decorated with torch's `record`: an exception is written, with its traceback, to the
+error file the elastic agent named (TORCHELASTIC_ERROR_FILE), which is where the launcher reads the run's
+root cause from. `RankErrorHandler` adds what the launcher needs to rank failures: the time in nanoseconds
+(torch's own timestamp has whole seconds, too coarse to order a failure and the failures it caused), the
+exception's qualified type, and whether it is a PeerLostError (the rank failed because a peer did).
+
+Exit codes: 0 done; 2 bad config, layout or data (the message says what to fix); 1 anything else. After a
+failure the process ends with os._exit: interpreter teardown can block on a dead peer's sockets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+
+class RankErrorHandler(ErrorHandler):
+    """torch's error-file writer, with a nanosecond time, the qualified exception type and peer_lost."""
+
+    def record_exception(self, e: BaseException) -> None:
+        from trainer.distributed import PeerLostError
+
+        file = self._get_error_file_path()
+        if not file:
+            return
+        cls = type(e)
+        data = {
+            "message": {
+                "message": f"{cls.__name__}: {e}",
+                "extraInfo": {
+                    "py_callstack": traceback.format_exc(),
+                    "timestamp": str(int(time.time())),  # torch's own field (whole seconds), read by the agent
+                    "time_ns": time.time_ns(),
+                    "exc_type": f"{cls.__module__}.{cls.__qualname__}",
+                    "peer_lost": isinstance(e, PeerLostError),
+                },
+            }
+        }
+        tmp = f"{file}.tmp-{os.getpid()}"
+        with open(tmp, "w") as fp:
+            json.dump(data, fp)
+        os.replace(tmp, file)  # the agent may read it the moment the process is gone: never half a file
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message says what to fix: printed as one `error:` line, exit code 2."""
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.distributed import DistributedError
+    from trainer.layout import LayoutError
+    from trainer.setup import TrainError
+
+    return (ConfigError, DataError, LayoutError, TrainError, DistributedError)
+
+
+def _run(config: str) -> None:
+    from trainer.config import load_config
+    from trainer.distributed import init_world, read_rank_env
+    from trainer.loop import run_rank
+
+    env = read_rank_env()
+    cfg = load_config(config)
+    layout = cfg.layout.to_layout()
+    world = init_world(layout, env, cfg.layout.timeout_s)
+    run_rank(cfg, world, lambda msg: print(msg, flush=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.rank", description="One rank of a run (see trainer.launch).")
+    p.add_argument("--config", required=True, help="TrainConfig as JSON or YAML")
+    args = p.parse_args(argv)
+    try:
+        record(_run, error_handler=RankErrorHandler())(args.config)
+    except BaseException as exc:  # noqa: BLE001 - a rank must die loudly, whatever happened
+        if isinstance(exc, user_errors()):
+            print(f"error: rank {os.environ.get('RANK', '?')}: {exc}", file=sys.stderr, flush=True)
+            code = 2
+        else:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""What a rank loads before it trains: tokenizer, samples, the target, held-out prompts.
+
+    target / colocated rank   the whole frozen target (it computes features)
+    drafter rank              the whole target for now (item: only its embedding, head and norm)
+    the data builder          (the first target rank, or the colocated rank) reads, regenerates and
+                              tokenises the conversations into <run>/data/samples.jsonl; every other rank
+                              waits for that file and reads it, so all ranks see the very same samples
+    the main drafter rank     also the held-out prompts for τ
+
+A resumed run finds samples.jsonl in place and never regenerates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from trainer.config import TrainConfig
+from trainer.data import DataError, Sample, SkipReport, load_samples, read_conversations, regenerate, save_samples, tokenize
+
+SAMPLES = Path("data") / "samples.jsonl"
+"""Where the tokenised samples of a run live, relative to the run directory."""
+
+
+class TrainError(RuntimeError):
+    """Training cannot start or continue; the message says what to change."""
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON by temp file + rename: a reader never sees half a file."""
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_mask_token_id(configured: int | None, tokenizer: Any, vocab_rows: int) -> int:
+    """MASK id: the configured one, else the tokenizer's mask token, else the first id the tokenizer
+    does not use if the embedding has such a row.
+
+    Raises:
+        TrainError: none of these exists.
+    """
+    if configured is not None:
+        return configured
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < vocab_rows:
+        return len(tokenizer)
+    raise TrainError(
+        f"no MASK token: the tokenizer has no mask token and uses all {vocab_rows} embedding rows; "
+        "set model.mask_token_id to an id the data never contains"
+    )
+
+
+@dataclass
+class Sources:
+    """Where the target and the data of a run come from (model.target: tiny builds them here)."""
+
+    target_dir: Path
+    train_files: list[str]
+    eval_files: list[str]
+    regenerate: bool
+
+
+def resolve_sources(cfg: TrainConfig, log: Callable[[str], None]) -> Sources:
+    """The target directory and data files of `cfg` (building the tiny assets if asked).
+
+    Raises:
+        TrainError: no training files, or no HF model directory at model.target.
+    """
+    data = cfg.data
+    train_files, eval_files, regen = list(data.train_files), list(data.eval_files), data.regenerate
+    if cfg.model.target == "tiny":
+        from trainer.tiny import build_tiny
+
+        assets = build_tiny(cfg.model.tiny_target, log=log)
+        target_dir = assets.target_dir
+        if not train_files:
+            train_files, regen = [str(assets.train_file)], False  # built already regenerated
+        eval_files = eval_files or [str(assets.eval_file)]
+    else:
+        target_dir = Path(cfg.model.target)
+        if not train_files:
+            raise TrainError("data.train_files is empty; list jsonl conversation files (or use model.target: tiny)")
+    if not (target_dir / "config.json").is_file():
+        raise TrainError(
+            f"model.target {str(target_dir)!r}: no HF model directory there (no config.json); "
+            "point it at a local model directory (downloads are not done here) or use model.target: tiny"
+        )
+    return Sources(target_dir, train_files, eval_files, regen)
+
+
+def load_eval_prompts(files: list[str], tokenizer: Any, kw: dict, report: SkipReport) -> list[list[int]]:
+    """Held-out prompts: each record's messages up to (not including) its first assistant turn."""
+    from trainer.data import BadRecord, normalize_record
+
+    prompts = []
+    for path in files:
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"{p}: no such eval file (check data.eval_files)")
+        for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                # An eval record may lack an assistant turn: add a placeholder so it validates.
+                msgs = obj.get("messages", obj.get("conversations")) if isinstance(obj, dict) else None
+                if isinstance(msgs, list) and not any(
+                    isinstance(m, dict) and m.get("role", m.get("from")) in ("assistant", "gpt") for m in msgs
+                ):
+                    obj = {"messages": msgs + [{"role": "assistant", "content": "-"}]}
+                messages = normalize_record(obj)
+            except (json.JSONDecodeError, BadRecord) as exc:
+                err = exc if isinstance(exc, BadRecord) else BadRecord("bad JSON", str(exc))
+                report.add(f"{p}:{lineno}", err)
+                continue
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            text = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, tokenize=False, **kw)
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def load_target(cfg: TrainConfig, target_dir: Path, device: torch.device):
+    """The whole frozen target on `device` (float32 on CPU, bfloat16 on GPUs)."""
+    from trainer.features import TargetModel
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    return TargetModel.from_pretrained(
+        target_dir,
+        layer_ids=cfg.model.target_layer_ids,
+        num_features=cfg.model.num_target_features,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def build_samples(cfg: TrainConfig, src: Sources, target, tokenizer, out: Path, log: Callable[[str], None]) -> list[Sample]:
+    """Read, regenerate (if asked) and tokenise the training conversations into <out>/data/samples.jsonl.
+
+    Raises:
+        DataError: a missing data file, or no usable sample.
+    """
+    for f in src.train_files:
+        if not Path(f).is_file():
+            raise DataError(f"{f}: no such data file (check data.train_files in the config)")
+    data, kw = cfg.data, dict(cfg.data.chat_template_kwargs)
+    report = SkipReport()
+    convs = read_conversations(src.train_files, report)
+    if src.regenerate:
+        log(f"data: regenerating {len(convs)} conversations with the target (greedy, {data.regenerate_max_new_tokens} tokens max)")
+        convs = regenerate(target, tokenizer, convs, data.regenerate_max_new_tokens, chat_template_kwargs=kw)
+    samples = tokenize(convs, tokenizer, data.max_len, report, min_supervised=2, chat_template_kwargs=kw)
+    if not samples:
+        raise DataError(f"no usable training samples in {src.train_files}: {report.summary()}")
+    cache = out / SAMPLES
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out / "data" / "skipped.json", report.to_dict())
+    save_samples(samples, cache)  # last: its appearance tells the other ranks the data is ready
+    log(f"data: {len(samples)} samples from {len(src.train_files)} file(s); {report.summary()}")
+    return samples
+
+
+def wait_for_samples(out: Path, poll_s: float = 0.2) -> None:
+    """Block until the data builder has written the samples (if it dies, the launcher ends this rank)."""
+    while not (out / SAMPLES).exists():
+        time.sleep(poll_s)
+
+
+@dataclass
+class Assets:
+    """What one rank loaded.
+
+    Attributes:
+        target: the frozen target (`trainer.features.TargetModel`).
+        tokenizer: the target's tokenizer.
+        samples: every training sample, in the file's order (all ranks agree).
+        mask_token_id, pad_id, stop_ids: token ids the loop and evaluation need.
+        eval_prompts: held-out prompts (main drafter rank only; else empty).
+        target_dir: the target's HF directory.
+    """
+
+    target: Any
+    tokenizer: Any
+    samples: list[Sample]
+    mask_token_id: int
+    pad_id: int
+    stop_ids: list[int]
+    target_dir: Path
+    eval_prompts: list[list[int]] = field(default_factory=list)
+
+
+def load_assets(
+    cfg: TrainConfig, device: torch.device, *, builds_data: bool, wants_eval: bool, log: Callable[[str], None]
+) -> Assets:
+    """Load what a rank needs (see the module docstring).
+
+    Args:
+        builds_data: this rank writes the samples (the others wait for them first).
+        wants_eval: load the held-out prompts (the rank that measures τ).
+
+    Raises:
+        TrainError, DataError: the target or the data cannot be used (the message says what to fix).
+    """
+    from transformers import AutoTokenizer
+
+    out = Path(cfg.output_dir)
+    if not builds_data:
+        wait_for_samples(out)
+    seed_everything(cfg.seed)
+    src = resolve_sources(cfg, log)
+    tokenizer = AutoTokenizer.from_pretrained(str(src.target_dir))
+    target = load_target(cfg, src.target_dir, device)
+    log(f"target: {src.target_dir} ({target.num_layers} layers, H {target.hidden_size}, features from {target.layer_ids})")
+    if (out / SAMPLES).exists():
+        # A resumed run (or a rank that waited) sees the very same samples: regeneration is expensive.
+        samples = load_samples(out / SAMPLES)
+        if builds_data:
+            log(f"data: {len(samples)} samples from {out / SAMPLES}")
+    else:
+        samples = build_samples(cfg, src, target, tokenizer, out, log)
+    prompts: list[list[int]] = []
+    if wants_eval:
+        report = SkipReport()
+        prompts = load_eval_prompts(src.eval_files, tokenizer, dict(cfg.data.chat_template_kwargs), report)
+        if report.total:
+            log(f"eval data: {report.summary()}")
+    mask_id = resolve_mask_token_id(cfg.model.mask_token_id, tokenizer, target.vocab_size)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return Assets(target, tokenizer, samples, mask_id, pad_id, stop_ids, src.target_dir, prompts)
