@@ -12,8 +12,10 @@
 # RUN_DIR/stop.json    written by `dflashctl stop` (and launch --replace) before its first signal: who and
 #                      when; copied into exit.json as "stopped" (null when nobody stopped the run).
 # RUN_DIR/pid          the process group id of COMMAND (what `dflashctl stop` signals).
-# RUN_DIR/exit.json    {"exit_code", "signal", "started", "ended", "stopped"}, written when COMMAND ends, on
-#                      failure too, by write-temp-then-rename (its appearance means the log is complete).
+# RUN_DIR/exit.json    {"exit_code", "signal", "started", "ended", "stopped", "root_cause"}, written when COMMAND
+#                      ends, on failure too, by write-temp-then-rename (its appearance means the log is
+#                      complete); root_cause: RUN_DIR/root_cause.json as the trainer's launcher wrote it
+#                      when a rank failed, else null.
 set -u
 run_dir=$1
 shift
@@ -37,16 +39,21 @@ write_exit() {
         exec 1>&- 2>&-
         for _ in $(seq 1 100); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
     fi
-    local ended tmp stopped=null
+    local ended tmp stopped=null cause=null
     ended=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-    # stop.json is one JSON object, written whole (temp + rename) by the agent; anything else is ignored.
+    # stop.json and root_cause.json (trainer.launch, when a rank failed) are one JSON object each, written
+    # whole (temp + rename); anything else is ignored.
     if [ -s "$run_dir/stop.json" ]; then
         stopped=$(tr -d '\n' < "$run_dir/stop.json")
         case $stopped in '{'*'}') ;; *) stopped=null ;; esac
     fi
+    if [ -s "$run_dir/root_cause.json" ]; then
+        cause=$(tr -d '\n' < "$run_dir/root_cause.json")
+        case $cause in '{'*'}') ;; *) cause=null ;; esac
+    fi
     tmp="$run_dir/.exit.json.$$"
-    printf '{"exit_code": %d, "signal": %s, "started": "%s", "ended": "%s", "stopped": %s}\n' \
-        "$code" "$sig" "$started" "$ended" "$stopped" > "$tmp" && mv -f "$tmp" "$run_dir/exit.json"
+    printf '{"exit_code": %d, "signal": %s, "started": "%s", "ended": "%s", "stopped": %s, "root_cause": %s}\n' \
+        "$code" "$sig" "$started" "$ended" "$stopped" "$cause" > "$tmp" && mv -f "$tmp" "$run_dir/exit.json"
 }
 trap write_exit EXIT
 

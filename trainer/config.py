@@ -242,6 +242,9 @@ class TrainConfig(_Strict):
     """What a τ evaluation measures (chain, DDTree budgets, temperatures)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Complete checkpoints kept on disk."""
+    max_restarts: int = Field(0, ge=0)
+    """Times torch's elastic agent restarts every rank after a rank fails (each restart resumes from the
+    newest complete checkpoint); 0: the first failure ends the run."""
 
     @field_validator("gamma")
     @classmethod

@@ -180,6 +180,10 @@ def init_world(layout: Layout, env: RankEnv, timeout_s: int) -> World:
     """
     if env.world_size != layout.world_size:
         raise DistributedError(f"WORLD_SIZE {env.world_size} but the layout has {layout.world_size} ranks")
+    if env.local_rank != env.rank or env.node != 0:
+        # A layout's ranks are its positions on one host; across nodes they need a node -> ranks map first.
+        raise DistributedError(f"rank {env.rank} is local rank {env.local_rank} of node {env.node}: layouts across "
+                               "several nodes are not supported yet; list every GPU of one host")
     device = select_device(layout, env.rank)
     if env.world_size == 1:
         return World(env, layout, device)

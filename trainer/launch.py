@@ -1,305 +1,149 @@
-"""`python -m trainer.launch --config FILE [--resume RUN_DIR]`: one process per rank of the layout.
+"""`python -m trainer.launch --config FILE [--resume RUN_DIR]`: every layout's ranks under torch's elastic launcher.
 
-- Colocated layout (empty `layout`): runs `trainer.train.train` in this process (the CPU demo).
-- Split layout: starts `python -m trainer.rank_loop` once per rank, each with its rank variables and
-  Layout.env(rank) (exactly one GPU visible), and watches them. Every output line of a child is echoed as
-  `[rank N] line`. When a rank fails (non-zero exit or killed by a signal) the others get a short settle
-  window (SETTLE_S) to fail too and finish printing their tracebacks, then SIGTERM, then SIGKILL after a
-  grace period, and this process exits non-zero naming the root cause: never a hang. The root cause is the
-  failed rank whose own error ended the run, not a rank that only lost its connection to it (see
-  root_cause). The collective timeout (layout.timeout_s) covers a rank that hangs without dying.
+This process is the node's elastic agent (`torch.distributed.launcher.api.elastic_launch`, what `torchrun`
+runs): it joins a c10d rendezvous, starts `python -m trainer.rank --config FILE` once per rank of the node,
+watches them, stops the others when one fails, and restarts them all up to `max_restarts` times (each restart
+resumes from the newest complete checkpoint). Every layout goes through it, the colocated one too (one rank).
+One node today (the rendezvous on 127.0.0.1, port chosen by the agent); a layout across nodes runs one such
+agent per node against the first node's endpoint (`Node`).
+
+Output: the agent tees each rank's stdout and stderr into <run>/ranks/ and prints every line here with the
+prefix `[rank N] ` (its log-line prefix template). When the run fails, the launcher ranks the agent's
+failures (trainer.failures), writes <run>/root_cause.json and prints one block, `[launch] run failed: ...`,
+with the root cause's traceback from its error file.
 
 `--resume RUN_DIR` continues RUN_DIR from its newest complete checkpoint (config: --config, else
 RUN_DIR/config.json). Exit codes: 0 done; 2 bad config, layout or data, or nothing to resume (the message
-says what to fix); otherwise the failed rank's exit code (1 when it was killed by a signal).
+says what to fix); the root-cause rank's exit code (1 when it was killed by a signal); 128 + N when this
+process was stopped by signal N (the ranks are stopped with it).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 from trainer.config import ConfigError, TrainConfig, load_config
 from trainer.layout import Layout
 
-GRACE_S = 10.0
-"""Seconds a rank gets between SIGTERM and SIGKILL when the run is being stopped."""
+SHUTDOWN_TIMEOUT_S = 10
+"""Seconds the agent gives the other ranks between SIGTERM and SIGKILL after a failure or a stop."""
 
-SETTLE_S = 3.0
-"""Seconds the other ranks get after the first failure, before any signal, to fail on their own and print
-their tracebacks: a peer's death reaches the survivors within milliseconds, so a few seconds is plenty, and
-stopping them sooner would cut off the traceback that names the real cause."""
-
-PEER_LOST = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "socket closed",
-    "connection refused",
-    "remote process exited",
-    "ncclremoteerror",
-    "communicator was aborted",
-    "distnetworkerror",
-    "timed out",  # gloo: a recv that waited out the collective timeout on a peer that never sent
-    "before timing out",  # NCCL watchdog: the same on GPUs
-)
-"""Lower-case fragments of a rank's final error that say it failed because a PEER went away (gloo, NCCL and
-the rendezvous word it differently): such a rank is a consequence, not the cause."""
-
-TAIL_LINES = 400
-"""Lines of each rank's output kept to find its final error (a traceback ends within its last lines)."""
+RANK_PREFIX = "[rank ${rank}] "
+"""The agent's log-line prefix template for the ranks' output (torch substitutes ${rank})."""
 
 
 class LaunchError(RuntimeError):
     """The run cannot be launched as asked; the message says what to change."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (the rendezvous binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class Node:
+    """This agent's place among the nodes of a run.
 
-
-def rank_environment(layout: Layout, rank: int, port: int, base: dict[str, str]) -> dict[str, str]:
-    """The full environment of one rank's process (pure: `base` is not modified).
-
-    CPU layouts split this machine's cores between the ranks (OMP_NUM_THREADS, unless set), so the
-    processes do not oversubscribe the cores.
+    Attributes:
+        index: the node's position in the layout (0: the node that hosts the rendezvous).
+        count: nodes in the run; the rendezvous waits for all of them.
+        rdzv_endpoint: host:port of the c10d rendezvous, reachable from every node (one node: 127.0.0.1:0,
+            the agent picks a free port).
+        local_addr: this node's address as the other nodes reach it; the first node's is where the ranks
+            meet (one node: 127.0.0.1, so a container whose host name does not resolve still works).
     """
-    env = dict(base)
-    env.update({"RANK": str(rank), "WORLD_SIZE": str(layout.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    env.update(layout.env(rank))
-    env["PYTHONUNBUFFERED"] = "1"  # lines reach the log as they happen, not at exit
-    if not layout.uses_gpus and "OMP_NUM_THREADS" not in base:
+
+    index: int = 0
+    count: int = 1
+    rdzv_endpoint: str = "127.0.0.1:0"
+    local_addr: str = "127.0.0.1"
+
+
+def launch_config(cfg: TrainConfig, layout: Layout, run_dir: Path, node: Node = Node()):
+    """The elastic agent's configuration for this node (pure: nothing starts).
+
+    Raises:
+        LaunchError: more than one node (layouts across nodes are not supported yet).
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if node.count != 1:
+        raise LaunchError("a layout across several nodes is not supported yet: list every GPU of one host")
+    return LaunchConfig(
+        min_nodes=node.count,
+        max_nodes=node.count,
+        nproc_per_node=layout.world_size,
+        run_id=run_dir.name,  # every node of a run must use the same id: the run directory's name is it
+        rdzv_backend="c10d",
+        rdzv_endpoint=node.rdzv_endpoint,
+        local_addr=node.local_addr,
+        max_restarts=cfg.max_restarts,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "ranks"), tee=Std.ALL),
+        log_line_prefix_template=RANK_PREFIX,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+
+
+def rank_environment(layout: Layout, base: dict[str, str]) -> dict[str, str]:
+    """What this process adds to its environment before the agent copies it into every rank (pure).
+
+    Lines reach the log as they happen (PYTHONUNBUFFERED); every attempt gets its own rendezvous store; GPU indices are nvidia-smi's (PCI bus order);
+    CPU layouts split this machine's cores between the ranks (OMP_NUM_THREADS, unless set) so the processes
+    do not oversubscribe them. Each rank picks its own GPU (trainer.distributed.select_device).
+    """
+    # A fresh rendezvous store per attempt, hosted by rank 0: with the store shared with the agent (torch's
+    # default), a restarted attempt read the previous attempt's gloo addresses and failed to connect
+    # ("connectFullMesh ... Connection refused"; pytorch/pytorch#135712).
+    env = {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if layout.uses_gpus:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    elif "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // layout.world_size))
     return env
 
 
-@dataclass
-class RankFailure:
-    """A rank that failed: its rank, role, exit code (negative: killed by that signal), when it exited
-    (time.monotonic), its final error line ("" when it printed none) and whether that error only says a
-    peer went away."""
-
-    rank: int
-    role: str
-    returncode: int
-    exited_at: float = 0.0
-    error: str = ""
-    peer_lost: bool = False
-
-    def describe(self) -> str:
-        if self.returncode < 0:
-            try:
-                how = f"was killed by {signal.Signals(-self.returncode).name}"
-            except ValueError:
-                how = f"was killed by signal {-self.returncode}"
-        else:
-            how = f"exited with code {self.returncode}"
-        return f"rank {self.rank} ({self.role}) {how}"
-
-    @property
-    def exit_code(self) -> int:
-        return self.returncode if 0 < self.returncode < 126 else 1
-
-
-def final_error(lines) -> str:
-    """The error a rank's output ends with: the last line of its last Python traceback (`ValueError: ...`),
-    else its last `error: ...` line; "" when there is neither.
-
-    Args:
-        lines: the rank's output lines (without the `[rank N] ` prefix), oldest first.
-    """
-    lines = [line.rstrip("\n") for line in lines]
-    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")),
-                default=None)
-    if start is not None:
-        # The exception line is the first unindented line after the frames (chained tracebacks start
-        # over with a new "Traceback" line, which `start` already skipped to).
-        for line in lines[start + 1:]:
-            if line and not line[0].isspace():
-                return line.strip()
-    for line in reversed(lines):
-        if line.lower().startswith("error:"):
-            return line.strip()
-    return ""
-
-
-def is_peer_lost(error: str) -> bool:
-    """Whether a rank's final error only says that a peer went away (see PEER_LOST)."""
-    low = error.lower()
-    return any(frag in low for frag in PEER_LOST)
-
-
-def root_cause(failures: list[RankFailure]) -> RankFailure:
-    """The failure that ended the run: a rank that failed on its own (a traceback of its own, an `error:`
-    line, or killed by a signal) before one whose error only says a peer went away; among those, the one
-    that exited first (then the lowest rank).
-
-    Raises:
-        ValueError: `failures` is empty.
-    """
-    if not failures:
-        raise ValueError("root_cause needs at least one failed rank")
-    return min(failures, key=lambda f: (f.peer_lost, f.exited_at, f.rank))
-
-
-def _pump(stream, prefix: str, out: TextIO, lock: threading.Lock, tail: collections.deque) -> None:
-    for line in iter(stream.readline, ""):
-        with lock:
-            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
-            out.flush()
-        tail.append(line)
-    stream.close()
-
-
-def _watch(p: subprocess.Popen, rank: int, exits: dict, cond: threading.Condition) -> None:
-    """Wait for one rank and record when it exited (the order of failures names the root cause)."""
-    code = p.wait()
-    with cond:
-        exits[rank] = (code, time.monotonic())
-        cond.notify_all()
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every live child, then SIGKILL whoever is still alive after `grace_s`."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    for p in procs:
-        p.wait()
-
-
-def spawn(
-    config_path: Path,
-    layout: Layout,
-    out: TextIO = sys.stdout,
-    log: Callable[[str], None] | None = None,
-    grace_s: float = GRACE_S,
-    poll_s: float = 0.2,
-    settle_s: float = SETTLE_S,
-    command: list[str] | None = None,
-) -> int:
-    """Start every rank, echo their output, and watch them until all exit or one fails.
-
-    Args:
-        config_path: the config file every rank reads.
-        layout: the split layout (world size, roles, per-rank environment).
-        out: where prefixed child lines go.
-        log: launcher lines (default: `[launch] ...` to `out`).
-        grace_s: SIGTERM -> SIGKILL delay when stopping the others.
-        poll_s: how often the watcher wakes up to notice a stop of the launcher.
-        settle_s: after the first failure, how long the others may take to exit on their own (and print
-            their tracebacks) before they get SIGTERM.
-        command: the argv of every rank (default `python -m trainer.rank_loop --config CONFIG`); each
-            process still gets its own rank environment.
+def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: Node = Node()) -> int:
+    """Run every rank of this node under the elastic agent until the run ends; see the module docstring.
 
     Returns:
-        0 when every rank exited 0, else the root-cause rank's exit code (see RankFailure.exit_code and
-        root_cause); 128 + signal when the launcher itself was stopped.
+        The launcher's exit code.
     """
-    lock = threading.Lock()
-    log = log or (lambda msg: (out.write(f"[launch] {msg}\n"), out.flush()))
-    argv = command or [sys.executable, "-m", "trainer.rank", "--config", str(config_path)]
-    port = free_port()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    tails: list[collections.deque] = []
-    stopping: list[int] = []
-    cond = threading.Condition()
-    exits: dict[int, tuple[int, float]] = {}  # rank -> (returncode, when it exited), filled by _watch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
 
-    def on_signal(signum, _frame):  # a stop of the launcher stops every rank
-        stopping.append(signum)
+    from trainer import failures
 
-    def failed() -> list[RankFailure]:
-        with cond:
-            done = sorted(exits.items())
-        found = []
-        for r, (code, at) in done:
-            if code != 0:
-                err = final_error(list(tails[r]))
-                found.append(RankFailure(r, layout.role(r), code, at, err, is_peer_lost(err)))
-        return found
+    def log(msg: str) -> None:
+        out.write(f"[launch] {msg}\n")
+        out.flush()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    failure: RankFailure | None = None
-    others: list[RankFailure] = []
+    layout = cfg.layout.to_layout()
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / failures.ROOT_CAUSE_FILE).unlink(missing_ok=True)  # a cause of an earlier attempt is not this one's
+    os.environ.update(rank_environment(layout, dict(os.environ)))
+    log(f"{layout.world_size} rank(s), max_restarts {cfg.max_restarts}, rank logs in {run_dir / 'ranks'}")
+    for r in range(layout.world_size):  # each rank takes this device itself (trainer.distributed.select_device)
+        log(f"rank {r} ({layout.role(r)}) on " + (f"GPU {layout.gpu(r)}" if layout.uses_gpus else "the CPU"))
     try:
-        for rank in range(layout.world_size):
-            env = rank_environment(layout, rank, port, dict(os.environ))
-            p = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
-            )
-            procs.append(p)
-            tails.append(collections.deque(maxlen=TAIL_LINES))
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ", out, lock, tails[rank]), daemon=True)
-            t.start()
-            pumps.append(t)
-            threading.Thread(target=_watch, args=(p, rank, exits, cond), daemon=True).start()
-            log(f"rank {rank} ({layout.role(rank)}) pid {p.pid} CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}")
-        first_failure: float | None = None
-        while not stopping:
-            with cond:
-                codes = dict(exits)
-                if len(codes) == len(procs):
-                    break  # everyone is done (all 0, or the failures are all in)
-                if first_failure is None and any(c != 0 for c, _ in codes.values()):
-                    first_failure = time.monotonic()
-                if first_failure is not None and time.monotonic() - first_failure >= settle_s:
-                    break
-                cond.wait(poll_s)
-        if not stopping and any(c != 0 for c, _ in exits.values()):
-            for t, p in zip(pumps, procs):
-                if p.poll() is not None:
-                    t.join(timeout=5)  # an exited rank's last lines (its traceback) are in its tail
-            found = failed()
-            failure = root_cause(found)
-            others = [f for f in found if f is not failure]
-        if failure is not None or stopping:
-            why = failure.describe() if failure else f"launcher got {signal.Signals(stopping[0]).name}"
-            if any(p.poll() is None for p in procs):
-                log(f"{why}; stopping the other ranks (SIGTERM, SIGKILL after {grace_s:.0f}s)")
-            _stop(procs, grace_s)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        if failure is None and not stopping and any(p.poll() is None for p in procs):
-            _stop(procs, grace_s)  # an exception in the watcher itself: leave no orphan
-        for t in pumps:
-            t.join(timeout=5)
-    if stopping:
-        return 128 + stopping[0]
-    if failure is not None:
-        for f in others:
-            note = "lost its connection to a failed peer" if f.peer_lost else "failed too"
-            log(f"also: {f.describe()}: {note}" + (f" ({f.error})" if f.error else ""))
-        cause = f": {failure.error}" if failure.error else ""
-        log(f"run failed: {failure.describe()}{cause} (its traceback is above, prefixed [rank {failure.rank}])")
-        return failure.exit_code
+        elastic_launch(launch_config(cfg, layout, run_dir, node), sys.executable)(
+            "-u", "-m", "trainer.rank", "--config", str(config_path)
+        )
+    except ChildFailedError as err:
+        found = failures.failures_of(err, [layout.role(r) for r in range(layout.world_size)], node.index)
+        doc = failures.report(found)
+        path = failures.write_report(run_dir, doc)
+        for line in failures.summary_lines(doc):
+            log(line)
+        log(f"root cause written to {path}")
+        return failures.root_cause(found).launcher_exit_code
+    except SignalException as exc:
+        log(f"stopped by {exc.sigval.name}: every rank was stopped")
+        return 128 + int(exc.sigval)
     log("all ranks finished")
     return 0
 
@@ -329,8 +173,6 @@ def resolve_config(config: str | None, resume: str | None) -> tuple[TrainConfig,
             )
     if Path(cfg.output_dir).resolve() != Path(load_config(path).output_dir).resolve():
         # Ranks read the file: write the resolved config (new output_dir) into the run directory.
-        import json
-
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "config.launch.json"
@@ -341,25 +183,18 @@ def resolve_config(config: str | None, resume: str | None) -> tuple[TrainConfig,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.launch", description="Run a training layout, one process per rank.")
+    p = argparse.ArgumentParser(prog="python -m trainer.launch", description="Run a training layout under torch's elastic launcher.")
     p.add_argument("--config", help="TrainConfig as JSON or YAML (runs/<id>/config.json)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint")
     args = p.parse_args(argv)
-    from trainer.data import DataError
-    from trainer.distributed import single_world
-    from trainer.loop import train
-    from trainer.setup import TrainError
+    from trainer.layout import LayoutError
 
     try:
         cfg, path = resolve_config(args.config, args.resume)
-        layout = cfg.layout.to_layout()
-        if layout.colocated:
-            train(cfg, single_world(layout))
-            return 0
-    except (ConfigError, DataError, TrainError, LaunchError, ValueError) as exc:
+    except (ConfigError, LayoutError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    return spawn(path, layout)
+    return launch(cfg, path)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ def _run(config: str) -> None:
     from trainer.loop import run_rank
 
     env = read_rank_env()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and env.rank == 0:
+        print(f"restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: the elastic agent restarted "
+              "every rank after a failure (see above); the run resumes from its newest checkpoint", flush=True)
     cfg = load_config(config)
     layout = cfg.layout.to_layout()
     world = init_world(layout, env, cfg.layout.timeout_s)

@@ -611,7 +611,7 @@ def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_g
     """A 1 target + 2 drafter GPU layout on the fake host, in one pct exec: the inventory layout lands in
     config.json, each drafter GPU is warmed in turn, and trainer.launch starts one process per GPU with that
     GPU visible. (This box has no GPU: the warm-ups run with --device cpu on a shape-only target, and the
-    ranks then fail on their missing CUDA device / weights, which ends the run with a failed exit.json.)"""
+    ranks then fail on their missing CUDA device, which ends the run with a failed exit.json naming the rank.)"""
     from transformers import Qwen3Config
 
     from trainer.config import parse_config
@@ -652,8 +652,14 @@ def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_g
         ex = wait_exit(res.run_dir, 120)
         log = (run / "train.log").read_text()
         assert ex["exit_code"] != 0, log[-3000:]
-        for rank, role, gpu in ((0, "target", 3), (1, "drafter", 5), (2, "drafter", 6)):
-            assert re.search(rf"^\[launch\] rank {rank} \({role}\) pid \d+ CUDA_VISIBLE_DEVICES='{gpu}'$", log, re.M), log[-3000:]
-        assert "[launch] run failed" in log
+        gpus = {0: 3, 1: 5, 2: 6}
+        for rank, role in ((0, "target"), (1, "drafter"), (2, "drafter")):
+            assert re.search(rf"^\[launch\] rank {rank} \({role}\) on GPU {gpus[rank]}$", log, re.M), log[-3000:]
+        # The root cause is a rank that saw exactly its own GPU (and, on this box, no CUDA).
+        cause = re.search(r"^\[launch\] run failed: rank (\d) \(\w+, node 0, local rank \1, pid \d+\) raised "
+                          r"DistributedError: rank \1: layout gives it GPU (\d) but CUDA is not available "
+                          r"\(CUDA_VISIBLE_DEVICES='\2'\)", log, re.M)
+        assert cause and gpus[int(cause.group(1))] == int(cause.group(2)), log[-3000:]
+        assert ex["root_cause"]["rank"] == int(cause.group(1))
     finally:
         pve.remove_container(306)

@@ -75,6 +75,21 @@ def test_exit_json_has_the_exit_code_and_the_log_everything(tmp_path, code):
     assert "out\n" in log and "err\n" in log and f"exit code {code}" in log
 
 
+def test_exit_json_carries_the_root_cause_the_trainers_launcher_wrote(tmp_path):
+    d = run_dir(tmp_path)
+    cause = {"rank": 2, "signal": "SIGKILL", "summary": "rank 2 (drafter) was killed by SIGKILL", "traceback": None,
+             "others": [{"rank": 0, "summary": "a \"quoted\" 100% [line]\nand more", "consequence": True}]}
+    code = f"import json, sys; open('root_cause.json', 'w').write(json.dumps({cause!r}) + '\\n'); sys.exit(1)"
+    proc = subprocess.Popen(["bash", str(SCRIPT), str(d), "--", sys.executable, "-c", code], cwd=d,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    assert proc.wait(10) == 1
+    ex = json.loads((d / "exit.json").read_text())
+    assert ex["exit_code"] == 1 and ex["root_cause"] == cause
+    (tmp_path / "b").mkdir()
+    d2 = run_dir(tmp_path / "b")
+    assert start(d2, "true").wait(10) == 0 and json.loads((d2 / "exit.json").read_text())["root_cause"] is None
+
+
 def test_environment_comes_only_from_the_env_file(tmp_path, monkeypatch):
     monkeypatch.setenv("LEAK_ME", "nope")
     d = run_dir(tmp_path, {"PATH": os.environ["PATH"], "ODD": "a b'$(id)\"\\"})

@@ -54,6 +54,16 @@ def test_each_rank_gets_its_gpu_from_the_layout_and_cpu_ranks_none():
     assert env == {"CUDA_VISIBLE_DEVICES": "7", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
+def test_a_rank_of_another_node_is_refused_until_layouts_span_nodes():
+    from trainer.distributed import init_world
+
+    lay = Layout(num_target_procs=1, num_drafter_procs=2)
+    with pytest.raises(DistributedError, match="rank 2 is local rank 0 of node 1: layouts across several nodes"):
+        init_world(lay, RankEnv(rank=2, world_size=3, local_rank=0, node=1), 30)
+    with pytest.raises(DistributedError, match="WORLD_SIZE 4 but the layout has 3 ranks"):
+        init_world(lay, RankEnv(rank=0, world_size=4), 30)
+
+
 def test_batch_report_round_trips_through_its_tensor():
     r = BatchReport(0.5, 1024, alloc_mb=1.0, peak_mb=2.0, rss_mb=3.0, peak_rss_mb=4.0)
     assert BatchReport.from_tensor(r.to_tensor()) == r and r.to_tensor().shape == (REPORT_LEN,)

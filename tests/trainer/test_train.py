@@ -1,10 +1,12 @@
-"""The loop: the pure lr schedule, and SIGKILL mid-run + resume continuing the same loss curve."""
+"""The loop: the pure lr schedule, and (the colocated demo under torch's elastic launcher) a rank killed by
+SIGKILL mid-run, named as such, then --resume continuing the same loss curve."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,13 +93,15 @@ def env(tmp_path_factory):
     return e
 
 
-def _start(run_dir: Path, env: dict) -> subprocess.Popen:
+def _start(run_dir: Path, env: dict, *extra: str) -> subprocess.Popen:
+    """The colocated layout under torch's elastic launcher (one rank), output into run_dir/stdout.log."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = run_dir / "config.json"
     cfg.write_text(json.dumps(_config(run_dir)))
     log = open(run_dir / "stdout.log", "a")
     return subprocess.Popen(
-        [sys.executable, "-m", "trainer", "train", "--config", str(cfg)], env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "trainer.launch", "--config", str(cfg), *extra], env=env, stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -122,16 +126,18 @@ def test_sigkill_then_resume_continues_the_same_loss_curve(tmp_path, env):
             break
         assert p.poll() is None, (run / "stdout.log").read_text()[-3000:]
         time.sleep(0.01)
-    p.send_signal(signal.SIGKILL)
-    assert p.wait(timeout=60) == -signal.SIGKILL
+    pid = int(re.search(r"drafter rank 0 \(pid (\d+)\)", (run / "stdout.log").read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)  # the rank, not the launcher: the launcher must notice and name it
+    assert p.wait(timeout=60) == 1
     killed_at = max(r["step"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train")
     assert killed_at < 60, "the run finished before it was killed: the test proved nothing"
+    assert f"rank 0 (colocated, node 0, local rank 0, pid {pid}) was killed by SIGKILL" in (run / "stdout.log").read_text()
 
-    p = _start(run, env)
+    p = _start(run, env, "--resume", str(run))
     assert p.wait(timeout=600) == 0, (run / "stdout.log").read_text()[-3000:]
     out = (run / "stdout.log").read_text()
-    resumed = [line for line in out.splitlines() if line.startswith("resumed from step ")]
-    assert len(resumed) == 1 and int(resumed[0].split()[3]) >= 10
+    resumed = [line for line in out.splitlines() if line.startswith("[rank 0] resumed from step ")]
+    assert len(resumed) == 1 and int(resumed[0].split()[5]) >= 10
 
     a, b = _losses(ref), _losses(run)
     assert sorted(a) == sorted(b) == list(range(1, 61))
