@@ -55,39 +55,8 @@ def positions_from_docs(doc_ids: torch.Tensor) -> torch.Tensor:
     return idx - last_start
 
 
-class TargetModel(nn.Module):
-    """A frozen HF causal LM that yields DFlash features, logits, and its embedding / LM head to borrow.
-
-    Args:
-        hf_model: any HF causal LM that returns ``hidden_states`` (Qwen3, Llama, ... tested: Qwen3, Llama).
-        layer_ids: z-lab layer ids whose outputs are the features (see module docstring).
-
-    Raises:
-        ValueError: a layer id outside 0..num_layers-1, or no layer ids.
-    """
-
-    def __init__(self, hf_model: nn.Module, layer_ids: list[int]):
-        super().__init__()
-        self.hf = hf_model
-        self.hf.eval()
-        self.hf.requires_grad_(False)
-        cfg = self.config
-        n = cfg.num_hidden_layers
-        if not layer_ids:
-            raise ValueError("layer_ids is empty; give at least one target layer (or use the default formula)")
-        bad = [i for i in layer_ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"target layer ids {bad} out of range: the target has {n} layers (ids 0..{n - 1})")
-        self.layer_ids = list(layer_ids)
-        # Name of the cache kwarg: transformers 5.x renamed `past_key_values` to `cache`.
-        params = inspect.signature(self.hf.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-
-    # ----------------------------------------------------------------------------------------------- sizes
-    @property
-    def config(self):
-        """The HF config of the target."""
-        return self.hf.config
+class _TargetShape:
+    """What every view of a target derives from its HF config, its feature layers and its embedding."""
 
     @property
     def hidden_size(self) -> int:
@@ -120,6 +89,52 @@ class TargetModel(nn.Module):
         return rope_theta_of(self.config)
 
     @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+
+def _check_layer_ids(layer_ids: list[int], n: int) -> None:
+    """Raises ValueError unless `layer_ids` is a non-empty list of layers of an n-layer target."""
+    if not layer_ids:
+        raise ValueError("layer_ids is empty; give at least one target layer (or use the default formula)")
+    bad = [i for i in layer_ids if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"target layer ids {bad} out of range: the target has {n} layers (ids 0..{n - 1})")
+
+
+class TargetModel(_TargetShape, nn.Module):
+    """A frozen HF causal LM that yields DFlash features, logits, and its embedding / LM head to borrow.
+
+    Args:
+        hf_model: any HF causal LM that returns ``hidden_states`` (Qwen3, Llama, ... tested: Qwen3, Llama).
+        layer_ids: z-lab layer ids whose outputs are the features (see module docstring).
+
+    Raises:
+        ValueError: a layer id outside 0..num_layers-1, or no layer ids.
+    """
+
+    def __init__(self, hf_model: nn.Module, layer_ids: list[int]):
+        super().__init__()
+        self.hf = hf_model
+        self.hf.eval()
+        self.hf.requires_grad_(False)
+        _check_layer_ids(list(layer_ids), int(self.config.num_hidden_layers))
+        self.layer_ids = list(layer_ids)
+        # Name of the cache kwarg: transformers 5.x renamed `past_key_values` to `cache`.
+        params = inspect.signature(self.hf.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ----------------------------------------------------------------------------------------------- sizes
+    @property
+    def config(self):
+        """The HF config of the target."""
+        return self.hf.config
+
+    @property
     def embed_tokens(self) -> nn.Embedding:
         """The target's (frozen) input embedding."""
         return self.hf.get_input_embeddings()
@@ -133,10 +148,6 @@ class TargetModel(nn.Module):
     def final_norm(self) -> nn.Module | None:
         """The target's final norm, if it exposes one as ``model.norm`` (not needed by the drafter)."""
         return getattr(getattr(self.hf, "model", None), "norm", None)
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
 
     # ------------------------------------------------------------------------------------------- forward
     def _select(self, hidden_states) -> torch.Tensor:
@@ -276,3 +287,128 @@ class TargetModel(nn.Module):
         if layer_ids is None:
             layer_ids = default_target_layer_ids(hf.config.num_hidden_layers, num_features)
         return cls(hf, layer_ids)
+
+
+class TargetHead(_TargetShape, nn.Module):
+    """The parts of a target a drafter rank uses: config, embedding, LM head and final norm, nothing else.
+
+    Read selectively from the target's safetensors files (`from_pretrained`), so a drafter rank holds
+    2 x vocab x hidden numbers of the target instead of all of it (Qwen3-8B: 2.5 GB instead of 16.4 GB in
+    bf16). It borrows to the drafter what TargetModel does, and has no forward.
+
+    Args:
+        config: the target's HF config.
+        layer_ids: the feature layers (z-lab ids), as for TargetModel.
+        embed_tokens: [V, H] embedding weight.
+        lm_head: [V, H] LM head weight (the same tensor as `embed_tokens` when the target ties them).
+        norm: [H] final norm weight, or None when the checkpoint has none.
+
+    Raises:
+        ValueError: bad layer ids.
+    """
+
+    def __init__(self, config, layer_ids: list[int], embed_tokens: torch.Tensor, lm_head: torch.Tensor,
+                 norm: torch.Tensor | None = None):
+        super().__init__()
+        _check_layer_ids(list(layer_ids), int(config.num_hidden_layers))
+        self.config = config
+        self.layer_ids = list(layer_ids)
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens, freeze=True)
+        self.lm_head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device="meta")
+        self.lm_head.weight = nn.Parameter(lm_head, requires_grad=False)  # tied: the embedding's own tensor
+        self.final_norm_weight = None if norm is None else nn.Parameter(norm, requires_grad=False)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        layer_ids: list[int] | None = None,
+        num_features: int = 5,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> "TargetHead":
+        """Read config.json and only the embedding, LM head and final norm tensors of a local HF model.
+
+        The tensor names come from the model class itself, built on the meta device (no memory), so any
+        architecture whose checkpoint keys match its module names works; the tensors are read with
+        `safetensors.safe_open` from the shard the index names (model.safetensors.index.json) or from
+        model.safetensors.
+
+        Raises:
+            ValueError: no config.json, no safetensors weights, or a tensor missing from them (the message
+                names the tensor and the file).
+        """
+        from transformers import AutoConfig
+
+        p = Path(path)
+        if not (p / "config.json").exists():
+            raise ValueError(f"target model {p}: no config.json there; point model.target at an HF model directory")
+        config = AutoConfig.from_pretrained(str(p))
+        names = _head_tensor_names(config)
+        files = _safetensors_files(p)
+        embed = _read_tensor(p, files, names["embed"])
+        tied = names["lm_head"] is None or bool(getattr(config, "tie_word_embeddings", False))
+        head = embed if tied else _read_tensor(p, files, names["lm_head"])
+        norm = _read_tensor(p, files, names["norm"]) if names["norm"] and names["norm"] in files else None
+        embed = embed.to(device=device, dtype=dtype)
+        head = embed if tied else head.to(device=device, dtype=dtype)
+        norm = None if norm is None else norm.to(device=device, dtype=dtype)
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(int(config.num_hidden_layers), num_features)
+        return cls(config, layer_ids, embed, head, norm)
+
+
+def _head_tensor_names(config) -> dict[str, str | None]:
+    """Checkpoint names of the embedding, LM head and final norm weights of `config`'s model class."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # By module, not by parameter: a tied head shares its parameter with the embedding, not its name.
+    names = {id(mod): name for name, mod in model.named_modules(remove_duplicate=False)}
+
+    def weight_of(mod) -> str | None:
+        return None if mod is None or getattr(mod, "weight", None) is None else f"{names[id(mod)]}.weight"
+
+    return {
+        "embed": weight_of(model.get_input_embeddings()),
+        "lm_head": weight_of(model.get_output_embeddings()),
+        "norm": weight_of(getattr(getattr(model, "model", None), "norm", None)),
+    }
+
+
+def _safetensors_files(path: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file (relative to `path`) of a local HF model directory.
+
+    Raises:
+        ValueError: neither model.safetensors.index.json nor model.safetensors is there.
+    """
+    import json
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise ValueError(
+            f"target model {path}: no model.safetensors(.index.json); a drafter rank reads only the target's "
+            "embedding, head and norm from safetensors files: convert the weights with save_pretrained"
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: "model.safetensors" for name in f.keys()}
+
+
+def _read_tensor(path: Path, files: dict[str, str], name: str) -> torch.Tensor:
+    """One tensor, read alone from its safetensors file.
+
+    Raises:
+        ValueError: the weights have no tensor of that name.
+    """
+    from safetensors import safe_open
+
+    if name not in files:
+        raise ValueError(f"target model {path}: its safetensors files have no tensor {name!r}")
+    with safe_open(str(path / files[name]), framework="pt") as f:
+        return f.get_tensor(name)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import json
 import math
 import os
@@ -44,7 +45,7 @@ from trainer.distributed import BatchReport, FeatureSpec, PendingBatch, World, s
 from trainer.layout import Schedule
 from trainer.metrics import MetricsWriter, memory_stats, rewind_metrics
 from trainer.objective import PackedBatch, dflash_loss
-from trainer.setup import Assets, TrainError, load_assets, seed_everything, write_json
+from trainer.setup import Assets, TrainError, load_assets, load_target, seed_everything, write_json
 from trainer.stats import MEM_KEYS, StepStats
 
 CHECKPOINT_FORMAT = 2
@@ -151,8 +152,7 @@ def compute_batch(assets: Assets, rows: list[list[int]], cfg: TrainConfig):
 
 def feature_spec(cfg: TrainConfig, assets: Assets, device: torch.device) -> FeatureSpec:
     """The fixed message shapes of this run (every rank derives the same)."""
-    dtype = next(assets.target.parameters()).dtype
-    return FeatureSpec(cfg.rows_per_step, cfg.row_len, assets.target.feature_size, dtype, device)
+    return FeatureSpec(cfg.rows_per_step, cfg.row_len, assets.target.feature_size, assets.target.dtype, device)
 
 
 # -- feature sources: where a drafter's batches come from ----------------------------------------------
@@ -351,12 +351,23 @@ class Evaluation:
         """Evaluate (the written export when given), record a metrics line, and for "before"/"after" write
         eval_<when>.json. Returns the EvalReport, None without held-out prompts."""
         from trainer.evaluate import periodic_eval
+        from trainer.features import TargetModel
 
         a = self.assets
-        report = periodic_eval(module, a.target, a.eval_prompts, self.cfg.evaluation, max_new_tokens=self.max_new_tokens,
-                               stop_token_ids=a.stop_ids, export_dir=export_dir)
-        if report is None:
+        if not a.eval_prompts:
             return None
+        # τ needs the whole target. A drafter rank holds only its head parts: it loads the whole target for
+        # this evaluation and lets it go afterwards, so its memory between evaluations stays the parts'.
+        target = a.target if isinstance(a.target, TargetModel) else load_target(self.cfg, a.target_dir, a.target.device)
+        try:
+            report = periodic_eval(module, target, a.eval_prompts, self.cfg.evaluation,
+                                   max_new_tokens=self.max_new_tokens, stop_token_ids=a.stop_ids, export_dir=export_dir)
+        finally:
+            if target is not a.target:
+                del target
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
         if when != "during":
             report.save(self.out / f"eval_{when}.json")
         self.metrics.write({"kind": "eval", "step": step, "when": when, **report.to_record()})
@@ -519,7 +530,9 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
     layout = world.layout
     if world.is_main:
         write_json(out / "config.resolved.json", cfg.model_dump(mode="json"))
-    assets = load_assets(cfg, world.device, builds_data=layout.colocated, wants_eval=world.is_main, log=log)
+    # A drafter rank of a split layout computes no features: the target's embedding, head and norm suffice.
+    assets = load_assets(cfg, world.device, builds_data=layout.colocated, wants_eval=world.is_main, log=log,
+                         whole_target=layout.colocated)
     schedule = Schedule(layout, cfg.batches_per_step)
     plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
     drafter = build_drafter(cfg, assets, world, log)

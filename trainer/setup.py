@@ -1,7 +1,8 @@
 """What a rank loads before it trains: tokenizer, samples, the target, held-out prompts.
 
     target / colocated rank   the whole frozen target (it computes features)
-    drafter rank              the whole target for now (item: only its embedding, head and norm)
+    drafter rank              only the target's config, embedding, LM head and final norm
+                              (trainer.features.TargetHead, read selectively from the safetensors files)
     the data builder          (the first target rank, or the colocated rank) reads, regenerates and
                               tokenises the conversations into <run>/data/samples.jsonl; every other rank
                               waits for that file and reads it, so all ranks see the very same samples
@@ -135,16 +136,22 @@ def load_eval_prompts(files: list[str], tokenizer: Any, kw: dict, report: SkipRe
     return prompts
 
 
-def load_target(cfg: TrainConfig, target_dir: Path, device: torch.device):
-    """The whole frozen target on `device` (float32 on CPU, bfloat16 on GPUs)."""
-    from trainer.features import TargetModel
+def target_dtype(device: torch.device) -> torch.dtype:
+    """The target's dtype: float32 on CPU, bfloat16 on GPUs (features travel in it)."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
 
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    return TargetModel.from_pretrained(
+
+def load_target(cfg: TrainConfig, target_dir: Path, device: torch.device, whole: bool = True):
+    """The frozen target on `device`: the whole model (TargetModel), or only the parts a drafter uses
+    (TargetHead: config, embedding, LM head, final norm)."""
+    from trainer.features import TargetHead, TargetModel
+
+    cls = TargetModel if whole else TargetHead
+    return cls.from_pretrained(
         target_dir,
         layer_ids=cfg.model.target_layer_ids,
         num_features=cfg.model.num_target_features,
-        dtype=dtype,
+        dtype=target_dtype(device),
         device=device,
     )
 
@@ -186,7 +193,7 @@ class Assets:
     """What one rank loaded.
 
     Attributes:
-        target: the frozen target (`trainer.features.TargetModel`).
+        target: the frozen target: TargetModel (whole) or TargetHead (a drafter rank's parts).
         tokenizer: the target's tokenizer.
         samples: every training sample, in the file's order (all ranks agree).
         mask_token_id, pad_id, stop_ids: token ids the loop and evaluation need.
@@ -205,13 +212,20 @@ class Assets:
 
 
 def load_assets(
-    cfg: TrainConfig, device: torch.device, *, builds_data: bool, wants_eval: bool, log: Callable[[str], None]
+    cfg: TrainConfig,
+    device: torch.device,
+    *,
+    builds_data: bool,
+    wants_eval: bool,
+    log: Callable[[str], None],
+    whole_target: bool = True,
 ) -> Assets:
     """Load what a rank needs (see the module docstring).
 
     Args:
         builds_data: this rank writes the samples (the others wait for them first).
         wants_eval: load the held-out prompts (the rank that measures τ).
+        whole_target: the whole target (it computes features), else only the parts a drafter uses.
 
     Raises:
         TrainError, DataError: the target or the data cannot be used (the message says what to fix).
@@ -224,8 +238,11 @@ def load_assets(
     seed_everything(cfg.seed)
     src = resolve_sources(cfg, log)
     tokenizer = AutoTokenizer.from_pretrained(str(src.target_dir))
-    target = load_target(cfg, src.target_dir, device)
-    log(f"target: {src.target_dir} ({target.num_layers} layers, H {target.hidden_size}, features from {target.layer_ids})")
+    if builds_data and not whole_target:
+        raise TrainError("the rank that builds the data needs the whole target (it regenerates the responses)")
+    target = load_target(cfg, src.target_dir, device, whole_target)
+    what = "" if whole_target else ": embedding, LM head and final norm only"
+    log(f"target: {src.target_dir} ({target.num_layers} layers, H {target.hidden_size}, features from {target.layer_ids}){what}")
     if (out / SAMPLES).exists():
         # A resumed run (or a rank that waited) sees the very same samples: regeneration is expensive.
         samples = load_samples(out / SAMPLES)
