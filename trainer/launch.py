@@ -90,9 +90,11 @@ def launch_config(cfg: TrainConfig, layout: Layout, run_dir: Path, node: Node = 
 def rank_environment(layout: Layout, base: dict[str, str]) -> dict[str, str]:
     """What this process adds to its environment before the agent copies it into every rank (pure).
 
-    Lines reach the log as they happen (PYTHONUNBUFFERED); every attempt gets its own rendezvous store; GPU indices are nvidia-smi's (PCI bus order);
-    CPU layouts split this machine's cores between the ranks (OMP_NUM_THREADS, unless set) so the processes
-    do not oversubscribe them. Each rank picks its own GPU (trainer.distributed.select_device).
+    Lines reach the log as they happen (PYTHONUNBUFFERED); every attempt gets its own rendezvous store; GPU
+    indices are nvidia-smi's (PCI bus order). CPU ranks get one intra-op thread each unless OMP_NUM_THREADS
+    is set: CPU layouts are the tiny demo and the tests, whose matmuls take microseconds, so more threads only
+    add synchronisation (a τ evaluation of the tiny drafter on a busy 2-core machine: 1.5 s with one thread,
+    55 s with two). Each rank picks its own GPU (trainer.distributed.select_device).
     """
     # A fresh rendezvous store per attempt, hosted by rank 0: with the store shared with the agent (torch's
     # default), a restarted attempt read the previous attempt's gloo addresses and failed to connect
@@ -101,7 +103,7 @@ def rank_environment(layout: Layout, base: dict[str, str]) -> dict[str, str]:
     if layout.uses_gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     elif "OMP_NUM_THREADS" not in base:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // layout.world_size))
+        env["OMP_NUM_THREADS"] = "1"
     return env
 
 

@@ -69,6 +69,7 @@ def _config(out: Path) -> dict:
             "num_target_features": 2,
         },
         "data": {"max_len": 64, "token_budget": 256, "max_batch_size": 4, "num_anchors": 8},
+        "evaluation": {"budgets": [], "temperatures": [0.0]},
         "epochs": 100,
         "max_steps": 60,
         "seed": 3,

@@ -40,6 +40,8 @@ def small_config(out: Path, layout: dict | None = None, **top) -> dict:
             "tiny_target": {"num_prompts": 40, "held_out": 4, "response_tokens": 24},
         },
         data={"max_len": 64, "token_budget": 256, "max_batch_size": 4, "num_anchors": 8},
+        # τ of the chain and one DDTree budget, greedy: the loop's evaluation hook, at the cost of a test
+        evaluation={"budgets": [4], "temperatures": [0.0]},
         layout=layout or {},
     )
     raw.update(top)
@@ -54,7 +56,7 @@ def write(path: Path, cfg: dict) -> Path:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("tiny-cache")
-    return dict(os.environ, DFLASH_TINY_CACHE=str(cache), PYTHONPATH=str(REPO))
+    return dict(os.environ, DFLASH_TINY_CACHE=str(cache), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 
 def launch(args: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -105,6 +107,13 @@ def test_one_target_two_drafters_match_the_single_process_run(tmp_path, env):
     assert last["recompiles"] == 0
     final = [r for r in read_metrics(tmp_path / "split" / "metrics.jsonl") if r["kind"] == "final"]
     assert len(final) == 1 and final[0]["step"] == 6
+    # The main drafter rank (which holds only the target's head parts) measured τ on the whole target,
+    # every configured mode, before training and on the export after it.
+    evals = [r for r in read_metrics(tmp_path / "split" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [(r["step"], r["when"]) for r in evals] == [(0, "before"), (6, "after")]
+    assert all({"tau", "tau_chain", "tau_tree4"} <= set(r) for r in evals)
+    after = json.loads((tmp_path / "split" / "eval_after.json").read_text())
+    assert final[0]["tau_after"] == after["tau"] and {r["budget"] for r in after["results"]} == {None, 4}
     assert (tmp_path / "split" / "export" / "model.safetensors").exists()
     assert (tmp_path / "split" / "checkpoints" / "step_00000006" / "meta.json").exists()
 
@@ -258,6 +267,18 @@ def test_max_restarts_restarts_every_rank_from_the_last_checkpoint(tmp_path, env
     ref = reference(small_config(tmp_path / "ref", **{k: v for k, v in long.items() if k != "max_restarts"}), env)
     for a, b in zip(ref, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
+
+
+def test_rank_environment():
+    from trainer.launch import rank_environment
+    from trainer.layout import Layout
+
+    cpu = Layout(num_target_procs=1, num_drafter_procs=2)
+    assert rank_environment(cpu, {}) == {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                         "OMP_NUM_THREADS": "1"}
+    assert "OMP_NUM_THREADS" not in rank_environment(cpu, {"OMP_NUM_THREADS": "4"})  # the user's stays
+    gpu = rank_environment(Layout(target_gpus=[0], drafter_gpus=[1]), {})
+    assert gpu["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and "OMP_NUM_THREADS" not in gpu and "CUDA_VISIBLE_DEVICES" not in gpu
 
 
 def test_launch_config_one_agent_per_node_with_the_layouts_ranks(tmp_path):
