@@ -11,7 +11,8 @@ Two kinds of container:
   its own root file system, an overlay of the cached Debian image (read-only lower layers) and
   `<ct>/upper` (this container's writes, kept across restarts like a container's disk), with /proc (of
   its pid namespace), /dev, /sys, <ct>/tmp on /tmp, <ct>/sbin on /usr/local/sbin and the mount points;
-  then pivot_root into it and detach the host's root, so nothing of the host is reachable by path.
+  then pivot_root into it and detach the host's root, so nothing of the host is reachable by path. Before
+  the pivot it writes /etc/hostname and its block of /etc/hosts as Proxmox does at every start.
 Both: <ct>/proc-driver over /proc/driver (its nvidia/version: the host's NVIDIA kernel module, as a real
 container sees it in its /proc; skipped when the kernel has no /proc/driver to cover).
 Then it sets the hostname, writes <ct>/ready, and reaps orphans forever (a tmux server started by an exec
@@ -49,13 +50,49 @@ def shared_root(root: str) -> None:
     proc_driver(root, "/proc")
 
 
-def own_root(root: str, spec: dict) -> None:
+PVE_BEGIN, PVE_END = "# --- BEGIN PVE ---", "# --- END PVE ---"
+
+
+def pve_managed_files(merged: str, hostname: str) -> None:
+    """What Proxmox's container setup writes into a Debian container's root at every start (unless the
+    container has /etc/.pve-ignore.<file>): /etc/hostname, and /etc/hosts with localhost and the host name
+    (127.0.1.1) in a marked block it owns; lines outside the block are the user's and stay. A debootstrap
+    image has no /etc/hosts at all, and without it `localhost` does not resolve (torch's rendezvous asks)."""
+    etc = os.path.join(merged, "etc")
+    if not os.path.exists(os.path.join(etc, ".pve-ignore.hostname")):
+        with open(os.path.join(etc, "hostname"), "w") as fh:
+            fh.write(f"{hostname}\n")
+    path = os.path.join(etc, "hosts")
+    if os.path.exists(os.path.join(etc, ".pve-ignore.hosts")):
+        return
+    try:
+        with open(path) as fh:
+            old = fh.read().splitlines()
+    except FileNotFoundError:
+        old = []
+    keep, inside = [], False
+    for line in old:
+        if line.strip() == PVE_BEGIN:
+            inside = True
+        elif line.strip() == PVE_END:
+            inside = False
+        elif not inside:
+            keep.append(line)
+    block = [PVE_BEGIN, f"127.0.1.1 {hostname}.localdomain {hostname}", PVE_END]
+    if not any(line.split()[1:2] == ["localhost"] or "localhost" in line.split()[1:] for line in keep if line.strip()):
+        keep = ["127.0.0.1 localhost.localdomain localhost", "::1 localhost ip6-localhost ip6-loopback", *keep]
+    with open(path, "w") as fh:
+        fh.write("\n".join(keep + block) + "\n")
+
+
+def own_root(root: str, spec: dict, hostname: str) -> None:
     """Assemble the container's root under <ct>/root and pivot into it."""
     merged, upper, work = (os.path.join(root, d) for d in ("root", "upper", "ovlwork"))
     for d in (merged, upper, work):
         os.makedirs(d, exist_ok=True)
     _mount("-t", "overlay", "overlay", "-o", f"lowerdir={':'.join(spec['lower'])},upperdir={upper},workdir={work}",
            merged)
+    pve_managed_files(merged, hostname)
     _mount("-t", "proc", "proc", os.path.join(merged, "proc"))
     proc_driver(root, os.path.join(merged, "proc"))
     _mount("--rbind", "/dev", os.path.join(merged, "dev"))
@@ -83,7 +120,7 @@ def main() -> int:
     spec_path = os.path.join(root, "rootfs.json")
     if os.path.exists(spec_path):
         with open(spec_path) as fh:
-            own_root(root, json.load(fh))
+            own_root(root, json.load(fh), hostname)
     else:
         shared_root(root)
     os.chdir("/")  # what `pct exec` starts in (nsenter -r -w: this process's root and working directory)

@@ -258,6 +258,11 @@ def test_a_stock_container_is_debian_12_as_the_template_ships_and_sees_nothing_o
 
         assert 'VERSION_CODENAME=bookworm' in inside("cat", "/etc/os-release").text()
         assert inside("hostname").text() == "ct223\n"
+        # As Proxmox writes them at every start: localhost and the container's own name resolve (torch's
+        # rendezvous looks up `localhost`; a debootstrap image alone has no /etc/hosts).
+        assert inside("cat", "/etc/hostname").text() == "ct223\n"
+        resolve = "import socket; print(socket.gethostbyname('localhost'), socket.gethostbyname('ct223'))"
+        assert inside("python3", "-c", resolve).text() == "127.0.0.1 127.0.1.1\n"
         # Debian's python3 under PEP 668, without pip, uv or tmux.
         assert inside("python3", "-c", "import sys; print(sys.executable)").text() == "/usr/bin/python3\n"
         assert inside("test", "-f", "/usr/lib/python3.11/EXTERNALLY-MANAGED").exit_code == 0
