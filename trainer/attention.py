@@ -1,4 +1,4 @@
-"""The DFlash training mask (reference/dflash.md §2.3) and the attention call that uses it.
+"""The DFlash training mask (docs/dflash.md §2.3) and the attention call that uses it.
 
 Axes. Keys/values: ``[context 0..S-1 | block_0 | block_1 | ... | block_{N-1}]`` (KV = S + N*bs).
 Queries: ``[block_0 | ... | block_{N-1}]`` (Q = N*bs). For a query in block j with anchor a_j:
@@ -146,7 +146,7 @@ def block_mask(
         return create_block_mask(mod, B=R, H=None, Q_LEN=N * block_size, KV_LEN=S + N * block_size, device=anchors.device)
     from trainer.compile_guard import GUARD
 
-    # The compiled builder traces mask_mod: exclusive against compiled calls in other threads (§6.3).
+    # The compiled builder traces mask_mod: exclusive against compiled calls in other threads (docs/remote-stack.md §3).
     with GUARD.tracing():
         return create_block_mask(
             mod, B=R, H=None, Q_LEN=N * block_size, KV_LEN=S + N * block_size, device=anchors.device, _compile=True
@@ -184,7 +184,7 @@ def _flex(q, k, v, mask, scale):
             from trainer.compile_guard import GUARD
 
             # Behind the process-wide guard: the first call per shape compiles, and must not overlap an FX
-            # trace in another thread (remote-stack.md §6.3).
+            # trace in another thread (docs/remote-stack.md §3).
             _compiled_flex = GUARD.compiled(torch.compile(flex_attention, dynamic=False))
         fn = _compiled_flex
     return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -107,7 +107,7 @@ class DataConfig(_Strict):
     eval_files: list[str] = []
     """jsonl files of held-out prompts for τ."""
     regenerate: bool = True
-    """Replace assistant responses with the target's own greedy output before training (§2.1)."""
+    """Replace assistant responses with the target's own greedy output before training (docs/dflash.md §2.1)."""
     max_len: int = Field(3072, ge=16)
     """Max tokens per sample; longer samples are skipped and counted."""
     token_budget: int = Field(49152, ge=16)
@@ -124,7 +124,7 @@ class DataConfig(_Strict):
     eval_max_new_tokens: int = Field(256, ge=1)
     """Tokens generated per held-out prompt when measuring τ (the tiny target uses its response_tokens)."""
     chat_template_kwargs: dict[str, bool | int | float | str] = {}
-    """Extra arguments to the chat template, e.g. {"enable_thinking": false}; must match deployment (§4)."""
+    """Extra arguments to the chat template, e.g. {"enable_thinking": false}; must match deployment (docs/dflash.md §4)."""
 
 
 class EvalConfig(_Strict):

@@ -6,7 +6,7 @@ Pipeline (each stage a plain function, tested on its own):
    content}]`) records -> `Conversation`s with normalised roles. Bad records are skipped and counted in a
    `SkipReport` with `file:line`.
 2. `regenerate(target, tokenizer, conversations, max_new_tokens)`: every assistant turn replaced by the
-   target's own greedy output (reference §2.1: the drafter must learn what THIS target says).
+   target's own greedy output (docs/dflash.md §2.1: the drafter must learn what THIS target says).
 3. `tokenize(conversations, tokenizer, max_len)`: the tokenizer's chat template; loss mask = 1 on the tokens
    of assistant turns (their content and end-of-turn marker), 0 on system/user text and template glue.
 4. `plan_epoch(lengths, ...)`: shuffled per epoch from the seed, first-fit into `rows_per_step` rows of
@@ -276,7 +276,7 @@ def regenerate(
     chat_template_kwargs: dict[str, Any] | None = None,
     batch_size: int = 32,
 ) -> list[Conversation]:
-    """Replace every assistant turn with the target's own greedy output (reference §2.1).
+    """Replace every assistant turn with the target's own greedy output (docs/dflash.md §2.1).
 
     Turns are regenerated in order, each conditioned on the already regenerated earlier turns, so a
     multi-turn conversation stays one the target would have produced. The text is decoded WITHOUT

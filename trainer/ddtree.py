@@ -1,4 +1,4 @@
-"""DDTree (Diffusion Draft Tree): verify a tree of drafts in one target forward (reference/dflash.md §5).
+"""DDTree (Diffusion Draft Tree): verify a tree of drafts in one target forward (docs/dflash.md §5).
 
 One DFlash forward gives per-position distributions q_1..q_L for the L = block_size - 1 positions after the
 block's first token (the "root", already committed). A draft tree holds token paths y_1..y_d (d <= L) scored

@@ -1,4 +1,4 @@
-"""Acceptance length τ by real speculative decoding against the target (reference/dflash.md §1.5, §3, §5).
+"""Acceptance length τ by real speculative decoding against the target (docs/dflash.md §1.5, §3, §5).
 
 One prompt, batch 1:
 

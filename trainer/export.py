@@ -1,4 +1,4 @@
-"""Export a drafter in the reference layout (reference/dflash.md §1.6) so serving stacks load it.
+"""Export a drafter in the reference layout (docs/dflash.md §1.6) so serving stacks load it.
 
     out_dir/config.json        Qwen3-style config + DFlash fields (block_size, dflash_config, num_target_layers)
     out_dir/model.safetensors  unprefixed draft weights only (no embed_tokens / lm_head): 11 per layer + 3

@@ -1,4 +1,4 @@
-"""The frozen target model and the features the drafter reads from it (reference/dflash.md §1.1, §1.3).
+"""The frozen target model and the features the drafter reads from it (docs/dflash.md §1.1, §1.3).
 
 Feature convention (z-lab ids): id ``l`` is the OUTPUT of decoder layer ``l`` == HF ``hidden_states[l+1]``
 (index 0 of HF's tuple is the embedding output). Features of several layers are concatenated on the last

@@ -1,6 +1,6 @@
 """The GPU layout as a validated value object: which process does what, and who sends what to whom.
 
-One process per GPU (DESIGN.md): each process sees exactly one GPU as cuda:0 (CUDA_VISIBLE_DEVICES), so
+One process per GPU (docs/remote-stack.md §2, §3): each process sees exactly one GPU as cuda:0 (CUDA_VISIBLE_DEVICES), so
 compile-cache keys match across GPUs and no two threads share Dynamo state. Ranks 0..T-1 run the frozen
 target, ranks T..T+D-1 train the drafter under DDP. An empty layout is the colocated single-process layout
 (target and drafter in one process: the CPU demo).

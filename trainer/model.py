@@ -1,4 +1,4 @@
-"""The DFlash drafter (reference/dflash.md §1.1–1.4): Qwen3-style layers with KV injection.
+"""The DFlash drafter (docs/dflash.md §1.1–1.4): Qwen3-style layers with KV injection.
 
 One draft step, in shapes (B batch, S context, Q = blocks * bs queries, H hidden, F = n_feat * H):
 

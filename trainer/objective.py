@@ -1,4 +1,4 @@
-"""The DFlash training objective (reference/dflash.md §2.2): random anchors, masked blocks, decayed CE.
+"""The DFlash training objective (docs/dflash.md §2.2): random anchors, masked blocks, decayed CE.
 
 For a packed batch of R rows of length L and N anchors per row:
 

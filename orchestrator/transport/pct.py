@@ -2,7 +2,7 @@
 
 It only wraps: the parent transport (SSH to the Proxmox host, or local on the host itself) runs the
 wrapped argv once, rendered by the one quoting function. lxc-attach execs argv WITHOUT a shell, so the
-host's login shell is the only parser on the path (reference/remote-stack.md §1.1).
+host's login shell is the only parser on the path (docs/remote-stack.md §1.1).
 
 pct's own failures are Perl `die`s with unreliable exit codes (255, or errno), so they are classified
 from stderr TEXT, never the exit code. A command's own non-zero exit is a normal Result.

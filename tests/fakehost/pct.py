@@ -1,6 +1,6 @@
 """A stand-in for Proxmox VE's `pct`, for tests. Stdlib only; installed as `<base>/bin/pct`.
 
-Texts, exit codes and the PATH reset follow /work/shared/reference/remote-stack.md §1 (pve-container
+Texts, exit codes and the PATH reset follow docs/remote-stack.md §1 (pve-container
 6.1.10): pct-level failures are Perl `die`s (exit 255 here), `exec` passes the command's own status
 through (128+signo when a signal killed it), and `pct` resets PATH to /sbin:/bin:/usr/sbin:/usr/bin
 before anything runs.

@@ -1,4 +1,4 @@
-"""The fake Proxmox host behaves like the real parts it stands in for (reference/remote-stack.md §1)."""
+"""The fake Proxmox host behaves like the real parts it stands in for (docs/remote-stack.md §1)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The §2.3 training mask: its rule on a hand-built example, dense == mask_mod, flex == SDPA, no NaN."""
+"""The training mask (docs/dflash.md §2.3): its rule on a hand-built example, dense == mask_mod, flex == SDPA, no NaN."""
 
 from __future__ import annotations
 

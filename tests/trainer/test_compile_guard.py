@@ -1,4 +1,4 @@
-"""The FX-tracing race (remote-stack.md §6.3) reproduced for real, and the guard that prevents it."""
+"""The FX-tracing race (docs/remote-stack.md §3) reproduced for real, and the guard that prevents it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The drafter: training forward == inference forward (§6.9), no leak past the anchor, layout, borrowing."""
+"""The drafter: training forward == inference forward (docs/dflash.md §6), no leak past the anchor, layout, borrowing."""
 
 from __future__ import annotations
 
