@@ -147,3 +147,20 @@ def test_warmup_summary_reads_the_warmups_own_lines(tmp_path, capsys):
     log.write_text("Traceback (most recent call last):\nRuntimeError: boom\n")
     assert _gpu_step().main(["warmup-summary", str(log), "--label", "warm-up 1"]) == 1
     assert capsys.readouterr().out == f"warm-up 1: no warm-up summary in {log}\n"
+
+
+def test_a_backend_that_ran_a_longer_row_is_measured_again_at_sdpas_row():
+    """What makes the flex/SDPA ratio comparable when flex fits a longer row than SDPA (on a GPU). Here both
+    are SDPA steps (flex has no CPU backward); a backend name's suffix other than +compile changes nothing."""
+    gs = _gpu_step()
+    g = gs.SIZES["tiny"]
+    cpu = torch.device("cpu")
+    results = [
+        gs.measure(g, "sdpa", cpu, 1, 64, 1, None),
+        gs.measure(g, "sdpa+same", cpu, 1, 128, 1, None),
+        {"backend": "flex", "row_len": 128, "error": "OutOfMemoryError: CUDA out of memory"},
+    ]
+    extra = gs.at_baseline_length(g, results, cpu, 1, 1, None, deadline=float("inf"))
+    assert [(r["backend"], r["row_len"]) for r in extra] == [("sdpa+same", 64)]
+    assert extra[0]["tokens_per_s"] == pytest.approx(64 / extra[0]["step_s"])
+    assert gs.at_baseline_length(g, results, cpu, 1, 1, None, deadline=0.0) == []
