@@ -47,6 +47,20 @@ def test_run_ids_refuse_a_newline_a_slash_and_dotdot():
         assert info.value.type == "BadRunId"
 
 
+@pytest.mark.parametrize("bad", ["exp-1\n", "exp/1", "exp..1"])
+def test_every_verb_that_takes_a_run_refuses_a_bad_one_as_the_user_sees_it(dflashctl, tmp_path, bad):
+    """Through the installed console script, before any target is contacted: one error line naming the
+    value as Python writes it (a newline shows as \\n), the rule, and the fix; exit 1."""
+    rule = f"use 1-{names.RUN_ID_MAX} characters from {names.RULE}"
+    for argv, kind in ((["logs", bad], "run id or experiment"), (["stop", bad], "run id"),
+                       (["attach", bad], "run id or experiment"),
+                       (["launch", "tiny", "--resume", bad, "--dry-run"], "run id")):
+        r = dflashctl(*argv, env={**os.environ, "DFLASHCTL_STATE_DIR": str(tmp_path)})
+        assert r.returncode == 1, (argv, r.stderr)
+        assert r.stderr.splitlines() == [f"error: bad {kind} {bad!r}: {rule}",
+                                          "fix: copy the run id from `dflashctl runs` or `dflashctl status`"], argv
+
+
 def test_the_longest_names_make_a_run_id_every_consumer_accepts():
     rid = names.run_id(EXPERIMENT, TAG)
     longest = names.clash_variant(rid, names.CLASH_MAX)
