@@ -18,23 +18,27 @@ names a package."""
 
 
 class _Progress:
-    """A rich progress line for the script's events: the step, its message, and a bar while verifying."""
+    """The script's events on stderr: one line per step and uv's lines; on a terminal also a live line with
+    the step, its message, and a bar while verifying (elsewhere a live display only leaves blank lines)."""
 
     def __init__(self, quiet: bool):
         self.quiet = quiet
+        self.console = None
         self.progress = None
 
     def __enter__(self):
         if not self.quiet:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
-
             from orchestrator.render import console
 
-            # markup=False: a step's message is literal text ("[localhost]:2222" stays as written).
-            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(),
-                                     MofNCompleteColumn(), console=console(stderr=True), transient=True)
-            self.progress.start()
-            self.task = self.progress.add_task("rebuild-venv", total=None)
+            self.console = console(stderr=True)
+            if self.console.is_terminal:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+                # markup=False: a step's message is literal text ("[localhost]:2222" stays as written).
+                self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False),
+                                         BarColumn(), MofNCompleteColumn(), console=self.console, transient=True)
+                self.progress.start()
+                self.task = self.progress.add_task("rebuild-venv", total=None)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -42,7 +46,7 @@ class _Progress:
             self.progress.stop()
 
     def __call__(self, event: dict) -> None:
-        if self.progress is None:
+        if self.console is None:
             return
         kind = event.get("event")
         if kind == "progress":
@@ -51,12 +55,14 @@ class _Progress:
             step, message = str(event.get("step", "")), str(event.get("message", ""))
             desc = f"{step} {message}"
             if event.get("n"):
-                self.progress.update(self.task, description=desc, total=event["n"], completed=event.get("i", 0))
+                if self.progress is not None:
+                    self.progress.update(self.task, description=desc, total=event["n"], completed=event.get("i", 0))
             else:
-                self.progress.update(self.task, description=desc, total=None)
-                self.progress.console.print(text((step, "cyan"), f" {message}"))
+                if self.progress is not None:
+                    self.progress.update(self.task, description=desc, total=None)
+                self.console.print(text((step, "cyan"), f" {message}"))
         elif kind == "log":
-            self.progress.console.print(f"  {event.get('line', '')}", style="dim")
+            self.console.print(f"  {event.get('line', '')}", style="dim")
 
 
 def _print_report(tname: str, pname: str, report) -> None:
@@ -143,7 +149,7 @@ def register(app: typer.Typer) -> None:
         for name in profiles:
             rep = compile_lock(name, upgrade_packages=upgrade_package, find_links=find_links, index_url=index_url,
                                extra_index_urls=extra_index_url, on_line=lambda line: err.print(line, style="dim"))
-            what = "unchanged" if rep.unchanged else f"{rep.old_hash} -> {rep.hash}"
+            what = "unchanged" if rep.unchanged else f"{rep.old_hash} -> {rep.hash}" if rep.old_hash else f"new {rep.hash}"
             out.print(f"{name}: {rep.packages} packages, {what} ({rep.path})")
             for pkg, (old, new) in rep.changed.items():
                 out.print(f"  {pkg}: {old or '(new)'} -> {new or '(removed)'}")

@@ -158,3 +158,40 @@ def test_the_cpu_lock_holds_the_real_hash_of_the_local_torch_wheel():
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     block = resolve_lock("cpu").data.decode().split("\ntorch==", 1)[1].split("\n    # via", 1)[0]
     assert f"--hash=sha256:{digest}" in block
+
+
+def test_the_lock_verb_through_the_installed_cli(dflashctl, tmp_path, wheelhouse):
+    """`dflashctl lock PROFILE` as a user runs it, offline (a local wheel directory and an empty index). The
+    verb writes next to the package's shipped locks, so it runs on a copy of the source tree (first on
+    PYTHONPATH) whose locks directory holds the test's profile; the checkout's own locks are never touched."""
+    import os
+    import shutil
+
+    _, wheels, index = wheelhouse
+    src = tmp_path / "src"
+    for package in ("orchestrator", "trainer"):
+        shutil.copytree(LOCKS_DIR.parents[2] / package, src / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    locks = src / "orchestrator" / "templates" / "locks"
+    (locks / "demo.in").write_text("dflashdemo\n")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    lock = lambda *a: dflashctl("lock", "demo", "--find-links", str(wheels), "--index-url", index, *a, env=env)  # noqa: E731
+
+    first = lock()
+    assert first.returncode == 0, first.stderr
+    made = lock_hash((locks / "demo.txt").read_bytes())
+    assert first.stdout.splitlines() == [f"demo: 1 packages, new {made} ({locks / 'demo.txt'})",
+                                         "  dflashdemo: (new) -> 1.0"]
+    make_wheel(wheels, "dflashdemo", "1.1")
+    kept = lock()
+    assert kept.returncode == 0 and kept.stdout.splitlines() == [f"demo: 1 packages, unchanged ({locks / 'demo.txt'})"]
+    upgraded = lock("--upgrade-package", "dflashdemo")
+    assert upgraded.returncode == 0, upgraded.stderr
+    now = lock_hash((locks / "demo.txt").read_bytes())
+    assert upgraded.stdout.splitlines() == [f"demo: 1 packages, {made} -> {now} ({locks / 'demo.txt'})",
+                                            "  dflashdemo: 1.0 -> 1.1"]
+    assert "dflashdemo==1.1" in (locks / "demo.txt").read_text()
+    # A profile without an .in file: one error line with the fix, exit 1.
+    missing = dflashctl("lock", "nosuch", env=env)
+    assert missing.returncode == 1 and missing.stderr.splitlines() == [
+        f"error: no nosuch.in in {locks}", f"fix: write the requirements of `nosuch` to {locks / 'nosuch.in'}"]

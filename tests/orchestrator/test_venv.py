@@ -346,6 +346,58 @@ def test_offline_rebuild_on_a_warm_cache_then_rollback_and_prune(built):
     assert rebuild_venv(target, cpu_profile()).action == "noop"
 
 
+@pytest.mark.slow
+def test_the_rebuild_venv_verb_through_the_installed_cli(dflashctl, tmp_path):
+    """`dflashctl rebuild-venv` as a user runs it, on a local target with the cpu lock: a rollback with nothing
+    to go back to, a build, a no-op (--json), a forced offline rebuild, a rollback, and a flag clash; what
+    each prints and where `current` points after it."""
+    import yaml
+
+    wd = fresh_dir("dflash-venv-cli-")
+    try:
+        inv = tmp_path / "inventory.yaml"
+        inv.write_text(yaml.safe_dump({
+            "targets": {"local": {"kind": "local", "workdir": str(wd), "venv": "cpu"}},
+            "venvs": {"cpu": cpu_profile()}}))
+        run = lambda *a: dflashctl("-i", str(inv), "rebuild-venv", *a, timeout=1200)  # noqa: E731
+        lock = resolve_lock("cpu")
+        env = f"(python {'.'.join(map(str, sys.version_info[:3]))}, torch 2.13.0+cpu, CUDA None)"
+
+        r = run("--rollback")
+        assert r.returncode == 1 and r.stderr.splitlines() == [  # nothing before it (no live display off a tty)
+            f"error: rebuild-venv failed at step `rollback`: no previous venv to roll back to in {wd}/venvs (the "
+            "current venv is unchanged)", "fix: build one first: dflashctl rebuild-venv"], r.stderr
+        assert not (wd / "venvs" / "current").exists()
+
+        r = run()
+        assert r.returncode == 0, r.stderr
+        first = os.readlink(wd / "venvs" / "current")
+        head = f"local: built {first} from lock cpu ({lock.hash}) in "
+        assert r.stdout.startswith(head) and r.stdout.splitlines()[0].endswith(env), r.stdout
+        assert r.stdout.splitlines()[1].startswith("  steps: stage ")
+
+        r = run("--json")
+        assert r.returncode == 0, r.stderr
+        noop = json.loads(r.stdout)
+        assert (noop["action"], noop["venv"], noop["lock_hash"]) == ("noop", first, lock.hash)
+
+        r = run("--force", "--offline")
+        assert r.returncode == 0, r.stderr
+        second = os.readlink(wd / "venvs" / "current")
+        assert second != first and f"  previous: {first} (dflashctl rebuild-venv --rollback)" in r.stdout.splitlines()
+
+        r = run("--rollback")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == [f"local: current -> {first} {env}; was {second}"]
+        assert os.readlink(wd / "venvs" / "current") == first
+
+        r = run("--rollback", "--force")
+        assert r.returncode == 1 and r.stderr.splitlines() == [
+            "error: --rollback takes no --force or --offline", "fix: dflashctl rebuild-venv --rollback"]
+    finally:
+        subprocess.run(["rm", "-rf", str(wd)])
+
+
 def test_rollback_without_a_previous_venv_says_so(tmp_path):
     with pytest.raises(AgentError) as exc:
         rebuild_venv(local(tmp_path / "w"), cpu_profile(), rollback=True)

@@ -132,3 +132,41 @@ def test_local_cpu_warmup_compiles_then_loads_from_the_workdir_cache(tmp_path):
     assert w["compile_s"] < c["compile_s"]
     assert (cache / "fxgraph").is_dir()
     assert "CPU: warm in" in next(e["message"] for e in cold_ev if "warm in" in e.get("message", ""))
+
+
+def test_the_warmup_verb_through_the_installed_cli(dflashctl, tmp_path):
+    """`dflashctl warmup EXPERIMENT` as a user runs it, on the local target (a CPU layout: one warm-up on the
+    CPU): the table, the JSON, and a command experiment refused before the target is contacted."""
+    import yaml
+
+    model = shape_target(tmp_path / "model")
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump({
+        "targets": {"local": {"kind": "local", "workdir": str(tmp_path / "work"), "venv": "workstation"}},
+        "venvs": {"workstation": {"kind": "workstation"}},
+        "experiments": {
+            "wu": {"kind": "dflash", "target": "local", "trainer": {
+                "model": {"target": str(model), "block_size": 4, "num_draft_layers": 1, "num_target_features": 1},
+                "data": {"max_len": 32, "token_budget": 64, "max_batch_size": 2, "num_anchors": 4},
+                "compile": {"enabled": False}}},
+            "cmd": {"kind": "command", "target": "local", "command": ["true"]}},
+    }))
+    r = dflashctl("-i", str(inv), "warmup", "wu", timeout=600)
+    assert r.returncode == 0, r.stderr
+    files, cache = tmp_path / "work" / "warmup" / "wu", tmp_path / "work" / "inductor-cache"
+    lines = r.stdout.splitlines()
+    assert lines[0].strip() == "warm-up of wu on local" and lines[-1] == f"cache: {cache}   files: {files}"
+    [row] = [line for line in lines if line.startswith("│ CPU ")]
+    assert row.split("│")[2].strip() == "cpu"
+    assert "CPU: warm in" in r.stderr  # the progress events, on stderr
+    [done] = json.loads((files / "warmup.json").read_text())
+    assert done["gpu"] is None and done["device"] == "cpu" and done["compiled"]["drafter_forward"] is False
+
+    r = dflashctl("-i", str(inv), "warmup", "wu", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert (res["experiment"], res["target"], res["cache_dir"], res["dir"]) == ("wu", "local", str(cache), str(files))
+    assert [(w["gpu"], w["device"]) for w in res["warmups"]] == [(None, "cpu")]
+
+    r = dflashctl("-i", str(inv), "warmup", "cmd")
+    assert r.returncode == 1 and r.stderr.splitlines()[0].startswith("error: ") and "only kind dflash" in r.stderr
