@@ -130,3 +130,40 @@ def test_what_passes_is_only_the_rule(text):
         assert 1 <= len(text) <= names.RUN_ID_MAX and text[0] in FIRST
         assert all(c in ALLOWED for c in text) and ".." not in text
         assert os.path.basename(text) == text and text not in (".", "..")
+
+
+# ------------------------------------------------------------------------- edges the mutation run found
+
+
+def test_the_run_id_stamp_is_utc_whatever_the_machines_zone(monkeypatch):
+    import time
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        when = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone(dt.timedelta(hours=2)))
+        assert names.run_id("exp", "t", when) == "exp-t-20260101T100000Z"
+        assert names.run_id("exp", None, when) == "exp-20260101T100000Z"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_clash_variants_and_their_limits():
+    assert names.clash_variant("r", 1) == "r" and names.clash_variant("r", 2) == "r-2"
+    assert names.clash_variant("r", names.CLASH_MAX) == f"r-{names.CLASH_MAX}"
+    for n in (0, names.CLASH_MAX + 1):
+        with pytest.raises(ValueError, match=f"clash number {n} outside 1..{names.CLASH_MAX}"):
+            names.clash_variant("r", n)
+
+
+def test_each_refusal_names_what_was_refused():
+    with pytest.raises(names.BadName, match=r"^bad run id 'a/b': use 1-"):
+        names.check_run_id("a/b")
+    with pytest.raises(names.BadName, match=r"^bad experiment name 'a/b'"):
+        names.run_id("a/b", None)
+    with pytest.raises(names.BadName, match=r"^bad experiment name 'a/b'"):
+        names.session_name("a/b")
+    with pytest.raises(names.BadName, match=r"^bad tag name 'a b'") as info:
+        names.run_id("exp", "a b")
+    assert info.value.fix == "choose another tag name, e.g. 'exp-1' or 'run_2'"
