@@ -64,15 +64,17 @@ def smi(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def dflashctl():
     """Run the INSTALLED `dflashctl` console script (found on PATH, as a user types it) in a subprocess,
-    with this checkout first on PYTHONPATH. Returns run(*args, env=None, timeout=120, cwd=None)."""
+    with this checkout (or `source`, a copy of it) first on PYTHONPATH. Returns
+    run(*args, env=None, timeout=120, cwd=None, source=None)."""
     exe = shutil.which("dflashctl")
     if exe is None:
         # Not a skip: the console script is what users run (`pip install -e .` puts it on PATH, see .ci/run).
         pytest.fail("the dflashctl console script is not on PATH: pip install -e . (see .ci/run)")
 
-    def run(*args: str, env: dict | None = None, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
+    def run(*args: str, env: dict | None = None, timeout: float = 120, cwd=None,
+            source=None) -> subprocess.CompletedProcess:
         full = dict(os.environ if env is None else env)
-        full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full.get("PYTHONPATH")) if p)
+        full["PYTHONPATH"] = os.pathsep.join(p for p in (str(source or REPO), full.get("PYTHONPATH")) if p)
         full.setdefault("COLUMNS", "200")
         return subprocess.run([exe, *args], capture_output=True, text=True, env=full, timeout=timeout, cwd=cwd,
                               stdin=subprocess.DEVNULL)

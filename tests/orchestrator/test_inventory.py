@@ -106,6 +106,56 @@ def test_repo_file_is_the_packaged_default():
     assert not (REPO / "orchestrator" / "default_inventory.yaml").exists()
 
 
+def test_a_wheel_install_carries_the_embedded_default_and_launches_tiny_from_it(tmp_path):
+    """What a user's `pip install dflashctl` gets (the editable install of the tests reads the checkout, so
+    embedded_text() there is the checkout's file): the wheel setuptools builds from this tree holds the
+    default inventory with the text of the repo's inventory.yaml, and its console script, in a venv, with no
+    inventory anywhere and no checkout on the path, plans `launch tiny` from it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    for name in ("orchestrator", "trainer", "templates"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    build = "import sys; from setuptools import build_meta as b; print(b.build_wheel(sys.argv[1]))"
+    res = subprocess.run([sys.executable, "-c", build, str(tmp_path / "dist")], cwd=src, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    wheel = tmp_path / "dist" / res.stdout.split()[-1]
+    with zipfile.ZipFile(wheel) as zf:
+        packaged = [n for n in zf.namelist() if n.endswith("/inventory.yaml")]
+        assert packaged == ["orchestrator/templates/inventory.yaml"], zf.namelist()
+        assert zf.read(packaged[0]).decode() == (REPO / "inventory.yaml").read_text()  # the text, not a link
+        assert "orchestrator/templates/start_training.sh" in zf.namelist()
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run(["uv", "pip", "install", "-q", "--python", str(venv / "bin" / "python"), "--no-deps", str(wheel)],
+                   check=True, timeout=300)
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DFLASHCTL_INVENTORY")}
+    env.update(XDG_CONFIG_HOME=str(home / "cfg"), XDG_DATA_HOME=str(home / "data"),
+               DFLASHCTL_STATE_DIR=str(home / "state"), COLUMNS="300")
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import orchestrator; print(orchestrator.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=home.parent, check=True)
+    assert where.stdout.startswith(str(venv)), where.stdout  # the wheel's copy, not the checkout
+    empty = home / "cwd"
+    empty.mkdir(parents=True)
+    res = subprocess.run([str(venv / "bin" / "dflashctl"), "launch", "tiny", "--dry-run"], capture_output=True,
+                         text=True, env=env, cwd=empty, timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert "plan (dry run, nothing changed) for tiny on local" in lines, res.stdout
+    runs = home / "data" / "dflashctl" / "local" / "runs"
+    assert any(line.strip().startswith(f"run dir:  {runs}/tiny-") for line in lines), res.stdout
+    assert not runs.exists()  # a dry run writes nothing
+
+
 def test_lookup_order(tmp_path, monkeypatch):
     monkeypatch.delenv("DFLASHCTL_INVENTORY", raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
@@ -294,7 +344,7 @@ def test_local_workdir_defaults_to_the_user_data_dir(tmp_path, monkeypatch):
 
 
 def test_shipped_tiny_matches_the_trainers_tiny_config():
-    tiny = pytest.importorskip("trainer.tiny")  # imports torch (the trainer extra)
+    from trainer import tiny  # the trainer extra (torch) is part of the test install: not a skip
     shipped = load_inventory(REPO / "inventory.yaml").experiment("tiny").trainer.model_dump(exclude={"output_dir"})
     assert shipped == tiny.tiny_train_config("x").model_dump(exclude={"output_dir"})
 

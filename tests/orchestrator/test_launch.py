@@ -270,7 +270,6 @@ def test_warmup_argv_golden(tmp_path):
 
 
 def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_path):
-    import importlib.util
     import io
     import os
 
@@ -280,8 +279,6 @@ def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_
     from orchestrator.inventory import load_inventory
     from orchestrator.ops.launch import spec_from_inventory
 
-    if importlib.util.find_spec("trainer.warmup") is None:
-        pytest.skip("the trainer's warm-up module is not in this tree yet")
     spec = spec_from_inventory(load_inventory(_embedded()), "tiny")
     run = tmp_path / "run"
     run.mkdir()

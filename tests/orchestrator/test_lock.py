@@ -164,7 +164,6 @@ def test_the_lock_verb_through_the_installed_cli(dflashctl, tmp_path, wheelhouse
     """`dflashctl lock PROFILE` as a user runs it, offline (a local wheel directory and an empty index). The
     verb writes next to the package's shipped locks, so it runs on a copy of the source tree (first on
     PYTHONPATH) whose locks directory holds the test's profile; the checkout's own locks are never touched."""
-    import os
     import shutil
 
     _, wheels, index = wheelhouse
@@ -174,8 +173,8 @@ def test_the_lock_verb_through_the_installed_cli(dflashctl, tmp_path, wheelhouse
                         ignore=shutil.ignore_patterns("__pycache__"))
     locks = src / "orchestrator" / "templates" / "locks"
     (locks / "demo.in").write_text("dflashdemo\n")
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    lock = lambda *a: dflashctl("lock", "demo", "--find-links", str(wheels), "--index-url", index, *a, env=env)  # noqa: E731
+    lock = lambda *a: dflashctl("lock", "demo", "--find-links", str(wheels), "--index-url", index, *a,  # noqa: E731
+                                source=src)
 
     first = lock()
     assert first.returncode == 0, first.stderr
@@ -192,6 +191,6 @@ def test_the_lock_verb_through_the_installed_cli(dflashctl, tmp_path, wheelhouse
                                             "  dflashdemo: 1.0 -> 1.1"]
     assert "dflashdemo==1.1" in (locks / "demo.txt").read_text()
     # A profile without an .in file: one error line with the fix, exit 1.
-    missing = dflashctl("lock", "nosuch", env=env)
+    missing = dflashctl("lock", "nosuch", source=src)
     assert missing.returncode == 1 and missing.stderr.splitlines() == [
         f"error: no nosuch.in in {locks}", f"fix: write the requirements of `nosuch` to {locks / 'nosuch.in'}"]

@@ -167,3 +167,17 @@ def test_each_refusal_names_what_was_refused():
     with pytest.raises(names.BadName, match=r"^bad tag name 'a b'") as info:
         names.run_id("exp", "a b")
     assert info.value.fix == "choose another tag name, e.g. 'exp-1' or 'run_2'"
+
+
+def test_a_name_longer_than_the_callers_limit_is_refused_with_that_limit():
+    assert names.check("tag", "a" * 5, limit=5) == "a" * 5
+    with pytest.raises(names.BadName, match=r"^bad tag name 'aaaaaa': use 1-5 characters from "):
+        names.check("tag", "a" * 6, limit=5)
+
+
+def test_a_refused_run_reference_says_where_to_copy_a_real_one():
+    with pytest.raises(names.BadName) as info:
+        names.check_run_id("exp-1\n", kind="run id or experiment")
+    assert info.value.message == (f"bad run id or experiment 'exp-1\\n': use 1-{names.RUN_ID_MAX} characters "
+                                  f"from {names.RULE}")
+    assert info.value.fix == "copy the run id from `dflashctl runs` or `dflashctl status`"
