@@ -1,0 +1,209 @@
+"""The mutants issue 14 names, each applied by hand to a scratch copy of the tree, with the tests that must
+fail on it; prints one row per mutant (killed or SURVIVED, the tests' exit code, the seconds it took) and exits
+1 if any survives.
+
+    python3 tests/mutation/issue_mutants.py [--only ID ...] [--list]
+
+Killed means each listed test fails or errors on the mutant (for a parametrized test: at least one of its
+cases; pytest exit 1, or 2 when a test module no longer imports); a skip is not a kill.
+Some tests here are slow (a venv build, a fake Proxmox container, the installed console script): this is a
+check to run by hand when a test or a mutated line changes, not part of CI (the main suite runs those tests
+on the unmutated code; tests/mutation/run.py is CI's mutation score).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRATCH = REPO / "build" / "issue-mutants"
+
+
+@dataclass
+class Mutant:
+    id: str
+    what: str
+    tests: list[str]
+    edits: list[tuple[str, str, str]] = field(default_factory=list)  # (file, original text, mutated text)
+    delete: list[str] = field(default_factory=list)
+
+
+_SILENT_CLI = (
+    "orchestrator/cli.py",
+    "from orchestrator.commands import diagnose, doctor, launch, logs, metrics, trust, venv, warmup\n",
+    "import importlib as _il\n_verbs = []\nfor _n in ('doctor', 'trust', 'diagnose', 'venv', 'launch', 'logs', "
+    "'metrics', 'warmup'):\n    try:\n        _verbs.append(_il.import_module('orchestrator.commands.' + _n))\n"
+    "    except ImportError:\n        pass\n",
+)
+_SILENT_LOOP = ("orchestrator/cli.py", "for _module in (doctor, trust, diagnose, venv, launch, logs, metrics, warmup):",
+                "for _module in _verbs:")
+
+MUTANTS = [
+    Mutant("gamma-loss", "the loss uses γ = 2 whatever it is given",
+           ["tests/trainer/test_objective.py::test_loss_is_the_weighted_mean_of_slot_cross_entropies"],
+           [("trainer/objective.py", "labels, weights = block_labels(batch, anchors, keep, bs, gamma)",
+             "labels, weights = block_labels(batch, anchors, keep, bs, 2.0)")]),
+    Mutant("gamma-labels", "block_labels decays with a constant γ",
+           ["tests/trainer/test_objective.py::test_labels_and_weights_by_hand"],
+           [("trainer/objective.py", "decay = torch.exp(-(k.float() - 1).clamp_min(0) / gamma)",
+             "decay = torch.exp(-(k.float() - 1).clamp_min(0) / 7.0)")]),
+    Mutant("gamma-config", "the training loop ignores the config's γ (the block size's default instead)",
+           ["tests/trainer/test_config.py::test_the_configs_gamma_reaches_the_loss_the_loop_logs"],
+           [("trainer/config.py", "return self.gamma if self.gamma is not None else default_gamma(self.model.block_size)",
+             "return default_gamma(self.model.block_size)")]),
+    Mutant("gamma-default", "default_gamma is one constant",
+           ["tests/trainer/test_objective.py::test_default_gamma_is_the_papers_table_else_block_over_2_3"],
+           [("trainer/config.py", "def default_gamma(block_size: int) -> float:\n",
+             "def default_gamma(block_size: int) -> float:\n    return 7.0\n")]),
+    Mutant("rope-theta", "the export writes rope_theta 10000 whatever the target's base",
+           ["tests/trainer/test_export.py::test_reload_drafts_the_same_tokens"],
+           [("trainer/export.py", '"rope_theta": c.rope_theta,', '"rope_theta": 10000.0,'),
+            ("trainer/export.py", '"rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},',
+             '"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},')]),
+    Mutant("diagnose-no-not-this", "diagnose prints no 'will not help' items",
+           ["tests/orchestrator/test_diagnose.py::test_the_user_reads_the_diagnosis_the_fix_and_every_false_lead_in_order"],
+           [("orchestrator/commands/diagnose.py", 'out.print(f"  - {item}")', "pass")]),
+    Mutant("diagnose-fix-under-not-this", "diagnose prints the fix under the 'will not help' heading",
+           ["tests/orchestrator/test_diagnose.py::test_the_user_reads_the_diagnosis_the_fix_and_every_false_lead_in_order"],
+           [("orchestrator/commands/diagnose.py",
+             'out.print(text(("fix:", "bold"), f" {worst.fix}"))\n        if worst.not_this:\n'
+             '            out.print(text(("will not help:", "bold")))',
+             'if worst.not_this:\n            out.print(text(("will not help:", "bold")))\n'
+             '            out.print(text(("fix:", "bold"), f" {worst.fix}"))')]),
+    Mutant("follow-no-not-this", "logs --follow prints no 'will not help' items",
+           ["tests/orchestrator/test_follow_cli.py::test_crash_diagnosis_is_printed_identically_by_both_follows"],
+           [("orchestrator/commands/logs.py", 'for wrong in m.get("not_this") or ():', "for wrong in ():")]),
+    Mutant("follow-fix-as-not-this", "logs --follow prints the fix as a 'will not help' item",
+           ["tests/orchestrator/test_follow_cli.py::test_crash_diagnosis_is_printed_identically_by_both_follows"],
+           [("orchestrator/commands/logs.py", 'for label in ("diagnosis", "fix"):', 'for label in ("diagnosis",):'),
+            ("orchestrator/commands/logs.py", 'for wrong in m.get("not_this") or ():',
+             'for wrong in [m.get("fix"), *(m.get("not_this") or ())]:')]),
+    Mutant("reconnect-offset-0", "a reconnect asks the agent for offset 0 (the client's trim hides the re-read)",
+           ["tests/orchestrator/test_logs.py::test_a_reconnect_asks_for_the_next_byte_and_no_byte_is_sent_twice"],
+           [("orchestrator/ops/logs.py", 'request["offset"] = st.log_offset', 'request["offset"] = 0')]),
+    Mutant("no-overlap-trim", "the client no longer trims bytes it has shown already",
+           ["tests/orchestrator/test_logs.py::test_an_overlapping_chunk_is_trimmed_a_resent_one_skipped_a_gap_refused"],
+           [("orchestrator/ops/logs.py", "raw = raw[expected - start:]", "raw = raw")]),
+    Mutant("lock-released-early", "launch releases its lock right after taking it",
+           ["tests/orchestrator/test_launch.py::test_two_concurrent_launches_make_exactly_one_run",
+            "tests/orchestrator/test_claims.py::test_disjoint_gpus_launch_side_by_side_and_the_same_experiment_waits_for_its_lock"],
+           [("orchestrator/agent/verbs/launch.py", 'emit.progress("lock", f"holding {lock.path}")',
+             'lock.release()\n    emit.progress("lock", f"holding {lock.path}")')]),
+    Mutant("check-run-ref-dotdot", "check_run_ref reduced to the `..` check",
+           ["tests/orchestrator/test_names.py::test_every_verb_that_takes_a_run_refuses_a_bad_one_as_the_user_sees_it"],
+           [("orchestrator/inventory.py", "        return names.check_run_id(value, kind)\n",
+             "        if '..' in value:\n            raise names.BadName(f'bad {kind} {value!r}', fix='')\n"
+             "        return value\n")]),
+    Mutant("dollar-validator", "the name rule matches with `$` (accepts 'abc\\n')",
+           ["tests/orchestrator/test_names.py::test_names_refuse",
+            "tests/orchestrator/test_names_property.py::test_nothing_with_a_newline_a_slash_or_dotdot_passes_anywhere",
+            "tests/orchestrator/test_names_property.py::test_fullmatch_a_valid_name_with_anything_after_it_is_refused"],
+           [("orchestrator/names.py", "_CHARS.fullmatch(value) is not None",
+             're.match(_CHARS.pattern + "$", value) is not None')]),
+    Mutant("venv-verbs-deleted", "commands/venv.py deleted and cli.py skipping a missing verb module",
+           ["tests/orchestrator/test_cli.py::test_every_verb_the_readme_lists_answers_help",
+            "tests/orchestrator/test_lock.py::test_the_lock_verb_through_the_installed_cli"],
+           [_SILENT_CLI, _SILENT_LOOP], ["orchestrator/commands/venv.py"]),
+    Mutant("warmup-verb-deleted", "commands/warmup.py deleted and cli.py skipping a missing verb module",
+           ["tests/orchestrator/test_cli.py::test_every_verb_the_readme_lists_answers_help",
+            "tests/orchestrator/test_warmup_verb.py::test_the_warmup_verb_through_the_installed_cli"],
+           [_SILENT_CLI, _SILENT_LOOP], ["orchestrator/commands/warmup.py"]),
+    Mutant("verb-module-deleted", "commands/warmup.py deleted (cli.py as it is)",
+           ["tests/orchestrator/test_cli.py::test_a_missing_verb_module_breaks_the_cli_loudly",
+            "tests/orchestrator/test_cli.py::test_every_verb_the_readme_lists_answers_help"],
+           delete=["orchestrator/commands/warmup.py"]),
+    Mutant("default-not-packaged", "the embedded default inventory left out of the package data",
+           ["tests/orchestrator/test_inventory.py::test_a_wheel_install_carries_the_embedded_default_and_launches_tiny_from_it"],
+           [("pyproject.toml", 'orchestrator = ["py.typed", "default_inventory.yaml", ',
+             'orchestrator = ["py.typed", ')]),
+    Mutant("trainer-warmup-deleted", "trainer/warmup.py deleted (the test used to turn into a skip)",
+           ["tests/orchestrator/test_launch.py::test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events"],
+           delete=["trainer/warmup.py"]),
+    Mutant("rank-gpu-swapped", "trainer.launch gives each rank the next rank's GPU",
+           ["tests/orchestrator/test_launch.py::"
+            "test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_gives_each_rank_its_gpu"],
+           [("trainer/layout.py", "        gpu = self.gpu(rank)\n        if gpu is None:\n            return {\"CUDA_VISIBLE_DEVICES\": \"\"}",
+             "        gpu = self.gpu((rank + 1) % self.world_size)\n        if gpu is None:\n"
+             "            return {\"CUDA_VISIBLE_DEVICES\": \"\"}")]),
+]
+
+
+def _copy(dest: Path) -> None:
+    shutil.rmtree(dest, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
+    for name in ("orchestrator", "trainer", "tests", "bench", "docs"):
+        if (REPO / name).exists():
+            shutil.copytree(REPO / name, dest / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md", "inventory.yaml"):
+        shutil.copy(REPO / name, dest / name)
+
+
+def apply(m: Mutant, root: Path) -> None:
+    for rel, old, new in m.edits:
+        path = root / rel
+        text = path.read_text()
+        if text.count(old) != 1:
+            raise SystemExit(f"{m.id}: {rel} has {text.count(old)} copies of {old!r}, not 1: update the mutant")
+        path.write_text(text.replace(old, new))
+    for rel in m.delete:
+        (root / rel).unlink()
+
+
+def run(m: Mutant) -> tuple[bool, int, float, dict[str, str]]:
+    """Apply `m` to a scratch copy and run its tests there: (killed, pytest's exit code, seconds, the outcome
+    of each test from pytest's summary)."""
+    root = SCRATCH / m.id
+    _copy(root)
+    apply(m, root)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *m.tests],
+                         cwd=root, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - start
+    outcomes = {}
+    for line in res.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
+            outcomes[rest.split(" - ")[0]] = word
+    failing = {t for t, o in outcomes.items() if o in ("FAILED", "ERROR")}
+    killed = res.returncode in (1, 2) and all(any(t == n or t.startswith(n + "[") for t in failing) for n in m.tests)
+    if res.returncode == 2 and not outcomes:  # a test module that no longer imports: pytest's own report
+        outcomes = {"(collection)": "ERROR " + " ".join(res.stdout.strip().splitlines()[-1:])}
+    return killed, res.returncode, wall, outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="*", metavar="ID", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the mutants and their tests, run nothing")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
+    if args.only and len(chosen) != len(args.only):
+        ap.error(f"unknown id(s); choose from {', '.join(m.id for m in MUTANTS)}")
+    survived = []
+    for m in chosen:
+        if args.list:
+            print(f"{m.id}: {m.what}\n  " + "\n  ".join(m.tests))
+            continue
+        killed, code, wall, outcomes = run(m)
+        print(f"{m.id:28} {'killed' if killed else 'SURVIVED'} (pytest exit {code}, {wall:.0f} s): {m.what}", flush=True)
+        for test, outcome in outcomes.items():
+            if outcome != "PASSED":
+                print(f"    {outcome:8} {test}", flush=True)
+        if not killed:
+            survived.append(m.id)
+    if survived:
+        print(f"survived: {', '.join(survived)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
