@@ -118,9 +118,9 @@ def test_a_wheel_install_carries_the_embedded_default_and_launches_tiny_from_it(
     import zipfile
 
     src = tmp_path / "src"
-    for name in ("orchestrator", "trainer", "templates"):
-        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("orchestrator", "trainer", "templates"):  # templates/inventory.yaml stays a link, as in git
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"), symlinks=True)
+    for name in ("pyproject.toml", "README.md", "inventory.yaml"):
         shutil.copy(REPO / name, src / name)
     build = "import sys; from setuptools import build_meta as b; print(b.build_wheel(sys.argv[1]))"
     res = subprocess.run([sys.executable, "-c", build, str(tmp_path / "dist")], cwd=src, capture_output=True,

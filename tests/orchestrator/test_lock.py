@@ -168,10 +168,10 @@ def test_the_lock_verb_through_the_installed_cli(dflashctl, tmp_path, wheelhouse
 
     _, wheels, index = wheelhouse
     src = tmp_path / "src"
-    for package in ("orchestrator", "trainer"):
-        shutil.copytree(LOCKS_DIR.parents[2] / package, src / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    locks = src / "orchestrator" / "templates" / "locks"
+    repo = assets.checkout_dir().parent
+    for name in ("orchestrator", "trainer", assets.DIRNAME):
+        shutil.copytree(repo / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    locks = src / assets.DIRNAME / "locks"
     (locks / "demo.in").write_text("dflashdemo\n")
     lock = lambda *a: dflashctl("lock", "demo", "--find-links", str(wheels), "--index-url", index, *a,  # noqa: E731
                                 source=src)

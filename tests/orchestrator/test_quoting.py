@@ -62,3 +62,30 @@ def test_with_env_refuses_bad_names(key):
 @pytest.mark.parametrize("key", ["_A", "A_B", "_", "a1", "__x__"])
 def test_with_env_accepts_every_shell_variable_name(key):
     assert with_env({key: "v"}, ["true"]) == ["env", "-i", f"{key}=v", "true"]
+
+
+def test_each_refusal_says_what_and_where():
+    """The exact texts a user reads when a command line cannot be built (fast: the mutation run's selection)."""
+    from orchestrator.transport.quoting import check_argv
+
+    with pytest.raises(ValueError) as info:
+        check_argv([])
+    assert str(info.value) == "empty argv"
+    with pytest.raises(ValueError) as info:
+        check_argv(["echo", 3])
+    assert str(info.value) == "argv elements must be str, got int: 3"
+    with pytest.raises(ValueError) as info:
+        check_argv(["echo", "a\x00b"])
+    assert str(info.value) == ("argv element 1 contains a NUL byte, which no command line can carry: 'a\\x00b' "
+                               "(pass such data on stdin or in a file)")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["echo", "a b", "it's", ""], "echo 'a b' 'it'\"'\"'s' ''"),  # no control character: render's quoting
+    (["printf", "a b\n"], "printf $'a b\\n'"),  # a space stays a space inside $'...'
+    (["x", "\t\r\\'\x1b\x7f\x1f "], "x $'\\t\\r\\\\\\'\\x1b\\x7f\\x1f '"),
+])
+def test_render_line_golden(argv, expected):
+    from orchestrator.transport.quoting import render_line
+
+    assert render_line(argv) == expected
