@@ -658,3 +658,26 @@ def test_cli_notifies_crash_and_completion(tmp_path):
     events = [json.loads(line) for line in sink.read_text().splitlines()]
     assert [(e["event"], e["run_id"]) for e in events] == [("crash", "r-oom"), ("completion", "r-ok")]
     assert events[0]["diagnosis"]["signature"] == "cuda-oom" and events[0]["diagnosis"]["fix"]
+
+
+def test_the_follower_turns_data_events_into_lines_and_feeds_the_real_matcher():
+    """The follower's data handling as pure logic (fast: the mutation run's selection): text and base64 events,
+    CRLF endings, a final partial line, invalid UTF-8 shown as U+FFFD, a first event at a non-zero offset,
+    an event with no text, and every line through the real matcher (a match reaches on_match)."""
+    from orchestrator.ops.logs import _Follower
+    from orchestrator.signatures import Matcher, load_catalogue
+
+    lines: list[str] = []
+    matches: list = []
+    f = _Follower(on_line=lines.append, on_match=matches.append, on_alert=None, on_event=None,
+                  matcher=Matcher(load_catalogue()), health=None)
+    f.handle({"event": "data", "offset": 100, "next": 106, "text": "a\r\nb\r\n"})  # no run event before it
+    assert lines == ["a", "b"] and f.log_offset == 106 and f.lines == 2
+    bad = b"caf\xe9\n"
+    f.handle({"event": "data", "offset": 106, "next": 111, "b64": base64.b64encode(bad).decode()})
+    f.handle({"event": "data", "offset": 111, "next": 111})  # nothing new, no text
+    f.handle({"event": "data", "offset": 111, "next": 140, "text": "Killed\nstill writing, no newline"})
+    assert lines == ["a", "b", "caf\ufffd", "Killed", "still writing, no newline"] and f.lines == 5
+    assert f.log_offset == 140
+    f.finish_matcher()
+    assert [m.signature for m in matches] == ["host-oom-kill"] and f.matches == matches

@@ -77,3 +77,38 @@ def test_every_truncation_is_counted_and_a_missing_file_has_size_zero(tmp_path):
         cur.read()
     assert LineCursor(tmp_path / "missing").size() == 0
     assert tailer.LineCursor(tmp_path / "missing").read(final=True) == []
+
+
+def test_the_line_boundary_in_the_first_byte_of_the_file_is_found_by_tail_offset(tmp_path):
+    # end = 65,537: the scan's last window is byte 0 alone, and that newline starts the last line.
+    path = tmp_path / "log"
+    path.write_bytes(b"\n" + b"x" * (BLOCK - 1) + b"\n")
+    assert tail_offset(path, 1) == 1 and tail_offset(path, 2) == 0
+
+
+def test_an_event_that_starts_with_an_empty_line_is_that_line_alone(tmp_path):
+    # The window after a full event starts with a newline and holds no other: that newline is one event,
+    # and the over-long line after it is the next (never glued onto the empty line past EVENT_BYTES).
+    path = tmp_path / "log"
+    first = b"a" * (EVENT_BYTES - 1) + b"\n"
+    long = b"b" * (EVENT_BYTES + 10) + b"\n"
+    path.write_bytes(first + b"\n" + long)
+    assert LineCursor(path).read() == [(0, first), (EVENT_BYTES, b"\n"), (EVENT_BYTES + 1, long)]
+
+
+def test_size_is_the_files_size_and_close_lets_go_of_the_file(tmp_path):
+    import os
+
+    path = tmp_path / "log"
+    path.write_bytes(b"one\ntwo\n")
+    fds = len(os.listdir("/proc/self/fd"))
+    cur = LineCursor(path)
+    assert cur.size() == 8 and len(os.listdir("/proc/self/fd")) == fds + 1
+    assert cur.read() == [(0, b"one\ntwo\n")]
+    cur.close()
+    assert len(os.listdir("/proc/self/fd")) == fds  # closed, not leaked
+    cur.close()  # twice is fine
+    with open(path, "ab") as fh:
+        fh.write(b"three\n")
+    assert cur.read() == [(8, b"three\n")] and cur.size() == 14  # reopened at its offset
+    cur.close()
