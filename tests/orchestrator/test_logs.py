@@ -671,13 +671,13 @@ def test_the_follower_turns_data_events_into_lines_and_feeds_the_real_matcher():
     matches: list = []
     f = _Follower(on_line=lines.append, on_match=matches.append, on_alert=None, on_event=None,
                   matcher=Matcher(load_catalogue()), health=None)
-    f.handle({"event": "data", "offset": 100, "next": 106, "text": "a\r\nb\r\n"})  # no run event before it
-    assert lines == ["a", "b"] and f.log_offset == 106 and f.lines == 2
+    f.handle({"event": "data", "offset": 100, "next": 108, "text": "ab\r\ncd\r\n"})  # no run event before it
+    assert lines == ["ab", "cd"] and f.log_offset == 108 and f.lines == 2
     bad = b"caf\xe9\n"
-    f.handle({"event": "data", "offset": 106, "next": 111, "b64": base64.b64encode(bad).decode()})
-    f.handle({"event": "data", "offset": 111, "next": 111})  # nothing new, no text
-    f.handle({"event": "data", "offset": 111, "next": 140, "text": "Killed\nstill writing, no newline"})
-    assert lines == ["a", "b", "caf\ufffd", "Killed", "still writing, no newline"] and f.lines == 5
-    assert f.log_offset == 140
+    f.handle({"event": "data", "offset": 108, "next": 113, "b64": base64.b64encode(bad).decode()})
+    f.handle({"event": "data", "offset": 113, "next": 113, "text": ""})  # nothing new
+    f.handle({"event": "data", "offset": 113, "next": 142, "text": "Killed\nstill writing, no newline"})
+    assert lines == ["ab", "cd", "caf\ufffd", "Killed", "still writing, no newline"] and f.lines == 5
+    assert f.log_offset == 142
     f.finish_matcher()
     assert [m.signature for m in matches] == ["host-oom-kill"] and f.matches == matches
