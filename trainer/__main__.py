@@ -84,12 +84,28 @@ def _print_export_tau(cfg) -> None:
     """The tiny run's last word: τ of its export (the bf16 file through its remote code), every mode."""
     from pathlib import Path
 
-    from trainer.tiny import evaluate_tiny_export
+    from trainer.tiny import evaluate_tiny_export, full_eval_command
 
     out = Path(cfg.output_dir)
     report = evaluate_tiny_export(cfg, out / "export")
     print(report.table(), flush=True)
     print(f"export τ {report.tau:.3f} (the bf16 file, greedy chain; {out / 'export_eval.json'})", flush=True)
+    print(f"every budget and temperature (a few minutes on CPU): {full_eval_command(cfg, out / 'export')}", flush=True)
+
+
+def _rank_threads(layout) -> None:
+    """This process trains as a launched rank would: with the intra-op threads `trainer.launch` gives a rank
+    (one on CPU unless OMP_NUM_THREADS says otherwise: two threads made the tiny run's τ evaluation ~10x
+    slower on a busy 2-core machine)."""
+    import os
+
+    import torch
+
+    from trainer.launch import rank_environment
+
+    threads = rank_environment(layout, dict(os.environ)).get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_steps is not None:
                 over["max_steps"] = args.max_steps
             cfg = tiny_train_config(args.out, **over)
-        train(cfg, single_world(cfg.layout.to_layout()))
+        layout = cfg.layout.to_layout()
+        _rank_threads(layout)
+        train(cfg, single_world(layout))
         if args.command == "tiny":
             _print_export_tau(cfg)
     except (ConfigError, DataError, TrainError, DistributedError) as exc:

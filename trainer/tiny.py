@@ -225,6 +225,12 @@ def build_tiny(
     return assets
 
 
+TINY_EVALUATION = {"budgets": [16], "temperatures": [0.0]}
+"""What the tiny run measures before and after training and on its export: the greedy chain and DDTree at
+B=16. Every mode of the default grid (4 budgets x 3 temperatures + chains) took most of the run's minutes on
+two CPU cores; `python -m trainer eval` on the export measures the whole grid (`full_eval_command`)."""
+
+
 def tiny_train_config(output_dir: str | Path, **overrides):
     """The `tiny` experiment: sizes chosen so a run finishes in about a minute on two CPU cores.
 
@@ -233,7 +239,8 @@ def tiny_train_config(output_dir: str | Path, **overrides):
     held-out 2.7 at 96 prompts). Drafter: block 8 (γ 4), 2 layers, 3 target features of the 6-layer
     target, rows of 144 tokens (two ~70-token conversations each: 92% full, where 128 left rows ~60% full),
     8 rows and 32 anchors per row per step, 500 steps at lr 1e-3 (the
-    paper's 6e-4 is for ~1M-sample runs; 500 steps need a larger step).
+    paper's 6e-4 is for ~1M-sample runs; 500 steps need a larger step). τ is measured in the modes of
+    TINY_EVALUATION only, so a newcomer sees the whole loop in about a minute.
 
     Args:
         output_dir: the run directory.
@@ -252,9 +259,9 @@ def tiny_train_config(output_dir: str | Path, **overrides):
             "num_draft_layers": 2,
             "num_target_features": 3,
             "attention_backend": "auto",
-            "dtype": "float32",
         },
         "data": {"max_len": 144, "token_budget": 1152, "max_batch_size": 8, "num_anchors": 32},
+        "evaluation": dict(TINY_EVALUATION),
         "optim": {"lr": 1e-3},
         "epochs": 100,
         "max_steps": 500,
@@ -291,3 +298,16 @@ def evaluate_tiny_export(cfg, export_dir: str | Path, log: Callable[[str], None]
     )
     report.save(Path(cfg.output_dir) / "export_eval.json")
     return report
+
+
+def full_eval_command(cfg, export_dir: str | Path) -> str:
+    """The shell command that measures every mode of the default grid (chain and B=16/32/64/128 at T=0, 0.7
+    and 1) on a tiny run's export, against its target and held-out prompts: printed after a tiny run."""
+    import shlex
+    import sys
+
+    assets = build_tiny(cfg.model.tiny_target, log=lambda _: None)  # cached: only finds the paths
+    return shlex.join([
+        sys.executable, "-m", "trainer", "eval", "--export", str(export_dir), "--target", str(assets.target_dir),
+        "--prompts", str(assets.eval_file), "--max-new-tokens", str(cfg.model.tiny_target.response_tokens),
+    ])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +45,19 @@ def test_tiny_experiment_learns_to_draft(tmp_path):
     assert final and final[0]["tau_after"] == pytest.approx(after["tau"])
     assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()
     assert "done:" in proc.stdout and "τ before" in proc.stdout
-    # the τ of the shipped artifact (the bf16 file through its remote code), every mode of `evaluation`
+    # the τ of the shipped artifact (the bf16 file through its remote code), in the tiny run's cheap modes
     shipped = json.loads((out / "export_eval.json").read_text())
     modes = {(r["budget"], r["temperature"]) for r in shipped["results"]}
-    assert modes == {(b, t) for b in (None, 16, 32, 64, 128) for t in (0.0, 0.7, 1.0)}
-    assert f"export τ {shipped['tau']:.3f}" in proc.stdout and "B=128" in proc.stdout
+    assert modes == {(None, 0.0), (16, 0.0)}  # the chain and B=16, greedy: the run stays near a minute
+    assert f"export τ {shipped['tau']:.3f}" in proc.stdout and "B=16" in proc.stdout
     assert shipped["tau"] >= 2.0
-    greedy = {r["budget"]: r["tau"] for r in shipped["results"] if r["temperature"] == 0}
+    # the printed command measures every mode on the same export; pasted as printed (here with fewer modes)
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("every budget and temperature")]
+    command = shlex.split(line.split(": ", 1)[1])
+    assert command[1:5] == ["-m", "trainer", "eval", "--export"] and "--budgets" not in command
+    report = tmp_path / "full.json"
+    full = subprocess.run(command + ["--budgets", "16,128", "--temperatures", "0", "--json", str(report)],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert full.returncode == 0, full.stderr[-3000:]
+    greedy = {r["budget"]: r["tau"] for r in json.loads(report.read_text())["results"] if r["temperature"] == 0}
     assert greedy[128] > greedy[16] > greedy[None], greedy  # DDTree: τ grows with the budget
