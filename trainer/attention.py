@@ -202,6 +202,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
     Returns:
         [B, Hq, Q, D].
     """
+    if torch.is_autocast_enabled(q.device.type):
+        # Mixed precision: the q/k norms give float32 (their float32 weights) while v_proj gives bfloat16;
+        # attention runs in the autocast dtype on every backend (flex needs one dtype for q, k and v).
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(

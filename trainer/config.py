@@ -13,6 +13,27 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+PRECISIONS = {
+    "fp32": "float32 weights, AdamW state and compute",
+    "bf16-mixed": "float32 master weights and AdamW state, bfloat16 autocast compute; the default on GPUs",
+    "bf16-true": "bfloat16 weights, AdamW state and compute",
+    "auto": "bf16-mixed on CUDA, fp32 on CPU",
+}
+"""Every accepted value of `precision` (trainer.precision says what each does), with what it means."""
+
+
+def check_precision(value: object) -> str:
+    """The `precision` setting as given, if it is one of PRECISIONS.
+
+    Raises:
+        ValueError: any other value; the message lists every accepted one.
+    """
+    if isinstance(value, str) and value in PRECISIONS:
+        return value
+    choices = "; ".join(f"{k} ({v})" for k, v in PRECISIONS.items())
+    raise ValueError(f"{value!r} is not a precision; set one of: {choices}")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -95,8 +116,17 @@ class ModelConfig(_Strict):
     """Drafter head dim; default: the target's."""
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     """auto: flex_attention on CUDA, SDPA with the equivalent dense mask on CPU (flex has no CPU backward)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter / compute dtype of the drafter."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_moved(cls, data):
+        if isinstance(data, dict) and "dtype" in data:
+            raise ValueError(
+                f"model.dtype ({data['dtype']!r}) was replaced by the top-level `precision` setting: write "
+                "precision: bf16-true for what model.dtype: bfloat16 did, precision: fp32 for float32, or "
+                "precision: bf16-mixed (float32 master weights, bfloat16 compute), and delete model.dtype"
+            )
+        return data
 
 
 class DataConfig(_Strict):
@@ -222,6 +252,10 @@ class TrainConfig(_Strict):
     """Process layout (`python -m trainer.launch`); empty = colocated single process."""
     compile: CompileConfig = CompileConfig()
     """torch.compile and its cache."""
+    precision: str = "auto"
+    """How the drafter trains (trainer/precision.py): fp32; bf16-mixed (float32 master weights and AdamW
+    state, bfloat16 autocast compute); bf16-true (bfloat16 weights, state and compute); auto: bf16-mixed on
+    CUDA, fp32 on CPU. The export's dtype is separate (bfloat16)."""
     gamma: float | None = None
     """Loss decay γ in w_k = exp(-(k-1)/γ). Default by block size: 7 (16), 5 (10), 4 (8)."""
     epochs: int = Field(6, ge=1)
@@ -245,6 +279,11 @@ class TrainConfig(_Strict):
     max_restarts: int = Field(0, ge=0)
     """Times torch's elastic agent restarts every rank after a rank fails (each restart resumes from the
     newest complete checkpoint); 0: the first failure ends the run."""
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision(cls, v):
+        return check_precision(v)
 
     @field_validator("gamma")
     @classmethod
@@ -335,6 +374,7 @@ def parse_config(raw: dict, source: str = "<config>") -> TrainConfig:
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
             msg = "unknown key (check the spelling)" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = msg.removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
             lines.append(f"{source}: {loc}: {msg}")
         raise ConfigError("\n".join(lines)) from None
 

@@ -45,6 +45,7 @@ from trainer.distributed import BatchReport, FeatureSpec, PendingBatch, World, s
 from trainer.layout import Schedule
 from trainer.metrics import MetricsWriter, memory_stats, rewind_metrics
 from trainer.objective import PackedBatch, dflash_loss
+from trainer.precision import Precision, resolve_precision
 from trainer.setup import Assets, TrainError, load_assets, load_target, seed_everything, write_json
 from trainer.stats import MEM_KEYS, StepStats
 
@@ -252,13 +253,15 @@ class _ModelView:
 
 @dataclass
 class Drafter:
-    """The drafter module, what its forward goes through (DDP or itself), its optimizer, compile state."""
+    """The drafter module, what its forward goes through (DDP or itself), its optimizer, compile state, and
+    the precision it trains in (parameters and AdamW state in precision.master_dtype)."""
 
     module: torch.nn.Module
     view: Any
     opt: torch.optim.Optimizer
     ddp: Any
     compiled: bool
+    precision: Precision
 
     def syncing(self, last: bool):
         """Gradient accumulation: DDP all-reduces only on the last micro-batch of a step."""
@@ -271,8 +274,10 @@ def build_drafter(cfg: TrainConfig, assets: Assets, world: World, log: Log) -> D
     from trainer.warmup import compile_drafter, configure_compile
 
     cache_dir = configure_compile(cfg.compile)
+    precision = resolve_precision(cfg.precision, world.device)
     seed_everything(cfg.seed)  # drafter init independent of what setup consumed
-    module = DFlashDrafter.from_target(cfg.model, assets.target, assets.mask_token_id).to(world.device)
+    module = DFlashDrafter.from_target(cfg.model, assets.target, assets.mask_token_id, precision.master_dtype_name)
+    module = module.to(world.device)
     module.train()
     compiled = compile_drafter(module, cfg.compile)
     if compiled or (module.backend == "flex" and world.device.type == "cuda"):
@@ -286,7 +291,7 @@ def build_drafter(cfg: TrainConfig, assets: Assets, world: World, log: Log) -> D
         with talking_to("DDP set-up (broadcast of the initial weights)"):
             ids = [0] if world.device.type == "cuda" else None
             ddp = DDP(module, device_ids=ids, process_group=world.drafters)
-    return Drafter(module, _ModelView(ddp or module, module), opt, ddp, compiled)
+    return Drafter(module, _ModelView(ddp or module, module), opt, ddp, compiled, precision)
 
 
 def save_checkpoint(ckpts: CheckpointManager, drafter: Drafter, step: int, per_step: int, log: Log) -> None:
@@ -297,6 +302,7 @@ def save_checkpoint(ckpts: CheckpointManager, drafter: Drafter, step: int, per_s
         "rng": capture_rng_state(),
         "data": {"batches_per_step": per_step},
         "step": step,
+        "precision": drafter.precision.name,  # the weights above are its master weights, in its dtype
     }
     log(f"[ckpt] step {step} -> {ckpts.save(step, state)}")
 
@@ -327,13 +333,25 @@ def resume(cfg: TrainConfig, world: World, drafter: Drafter, per_step: int, log:
     if got != per_step:
         raise TrainError(f"{where} was trained with {got} batch(es) per step, this config has {per_step}: the global "
                          f"batches would not line up; set data.batches_per_step: {got}")
-    drafter.module.load_state_dict(state["model"])
-    drafter.opt.load_state_dict(state["optimizer"])
+    load_weights(drafter, state, where, log)
     restore_rng_state(state["rng"])
     if world.is_main:
         rewind_metrics(out / "metrics.jsonl", step)  # lines logged after this checkpoint repeat: drop them
     log(f"resumed from step {step}")
     return step, True
+
+
+def load_weights(drafter: Drafter, state: dict, where: str, log: Log) -> None:
+    """The checkpoint's weights and AdamW state into the drafter, cast to its master dtype: a checkpoint of
+    any precision resumes under any other (bf16 -> float32 is exact; float32 -> bf16 rounds, as bf16-true
+    training itself does)."""
+    saved = state.get("precision")
+    drafter.module.load_state_dict(state["model"])  # copies into the existing parameters: their dtype stays
+    drafter.opt.load_state_dict(state["optimizer"])  # torch casts floating state to each parameter's dtype
+    now = drafter.precision
+    if saved != now.name:
+        log(f"[precision] {where} was trained in {saved or 'a precision it does not record'}; continuing in "
+            f"{now.name}: master weights and AdamW state now {str(now.master_dtype).removeprefix('torch.')}")
 
 
 # -- evaluation (main drafter rank) -----------------------------------------------------------------------
@@ -434,7 +452,8 @@ def train_step(run: _Run, step: int, stats: StepStats) -> float:
         last = j == len(items) - 1
         with d.syncing(last):
             gen = anchor_generator(cfg.seed, item.index)
-            res = dflash_loss(d.view, item.batch, num_anchors=cfg.data.num_anchors, gamma=cfg.resolved_gamma, generator=gen)
+            with d.precision.autocast():  # the forward and the loss; backward outside, as torch.autocast asks
+                res = dflash_loss(d.view, item.batch, num_anchors=cfg.data.num_anchors, gamma=cfg.resolved_gamma, generator=gen)
             talk = talking_to("DDP gradient all-reduce") if d.ddp is not None and last else contextlib.nullcontext()
             with talk:
                 (res.loss * scale).backward()
@@ -543,7 +562,7 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
         features = RemoteFeatures(world, schedule, feature_spec(cfg, assets, world.device), plan.steps)
     run = _Run(cfg, world, assets, plan, schedule, drafter, features, log)
     log(f"drafter rank {world.rank} (pid {os.getpid()}): {sum(p.numel() for p in drafter.module.parameters()) / 1e6:.2f}M params, "
-        f"backend {drafter.module.backend}, compiled forward {drafter.compiled}; {plan.steps} steps x "
+        f"backend {drafter.module.backend}, compiled forward {drafter.compiled}, precision {drafter.precision.name}; {plan.steps} steps x "
         f"{schedule.per_step} batch(es) of {cfg.rows_per_step} rows x {cfg.row_len} ({schedule.per_drafter} on this rank)")
     if world.is_main:
         run.metrics = MetricsWriter(out / "metrics.jsonl")

@@ -367,13 +367,15 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------------------------------- build
     @classmethod
-    def from_target(cls, model_cfg: ModelConfig, target, mask_token_id: int) -> "DFlashDrafter":
+    def from_target(cls, model_cfg: ModelConfig, target, mask_token_id: int, dtype: str = "float32") -> "DFlashDrafter":
         """Build a drafter for ``target``: sizes default to the target's, RoPE base copied from it.
 
         Args:
             model_cfg: drafter geometry; None fields are copied from the target.
             target: a `trainer.features.TargetModel` (its ``layer_ids`` are the feature layers).
             mask_token_id: MASK token id (a row of the target's embedding).
+            dtype: the parameters' dtype ("float32", "bfloat16"; the training loop's
+                `trainer.precision.Precision.master_dtype_name`).
 
         Returns:
             A drafter on the target's device, borrowing its embedding and head.
@@ -405,7 +407,7 @@ class DFlashDrafter(nn.Module):
             rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
             max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 40960)),
             attention_backend=model_cfg.attention_backend,
-            dtype=model_cfg.dtype,
+            dtype=dtype,
         )
         drafter = cls(cfg, target.embed_tokens, target.lm_head)
         return drafter.to(target.device)

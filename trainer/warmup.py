@@ -172,6 +172,7 @@ def warm_up(cfg: TrainConfig, device: torch.device | None = None, emit: Callable
     """
     from trainer.model import DFlashDrafter
     from trainer.objective import dflash_loss
+    from trainer.precision import resolve_precision
 
     emit = emit or (lambda ev: print(json.dumps(ev), flush=True))
     device = device or (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
@@ -182,7 +183,8 @@ def warm_up(cfg: TrainConfig, device: torch.device | None = None, emit: Callable
     target = _ShapeTarget(tdir, cfg.model.target_layer_ids, cfg.model.num_target_features, device, tdtype)
     mask_id = cfg.model.mask_token_id if cfg.model.mask_token_id is not None else target.vocab_size - 1
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter.from_target(cfg.model, target, mask_id)
+    precision = resolve_precision(cfg.precision, device)  # autocast state is part of what compiles: train's own
+    drafter = DFlashDrafter.from_target(cfg.model, target, mask_id, precision.master_dtype_name)
     compiled = compile_drafter(drafter, cfg.compile)
     flex = drafter.backend == "flex"
     total_compile, hits, misses = 0.0, 0, 0
@@ -193,7 +195,8 @@ def warm_up(cfg: TrainConfig, device: torch.device | None = None, emit: Callable
         for call in range(2):
             gen = torch.Generator().manual_seed(cfg.seed)
             t0 = time.perf_counter()
-            res = dflash_loss(drafter, batch, num_anchors=shape.num_anchors, gamma=cfg.resolved_gamma, generator=gen)
+            with precision.autocast():
+                res = dflash_loss(drafter, batch, num_anchors=shape.num_anchors, gamma=cfg.resolved_gamma, generator=gen)
             res.loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize()  # CPU-GPU sync point: the time must include the kernels

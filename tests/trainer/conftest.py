@@ -62,7 +62,7 @@ def llama_target() -> TargetModel:
 
 
 def small_model_config(**overrides) -> ModelConfig:
-    """Drafter geometry for tests: 2 layers, block 4, SDPA, float32."""
-    base = dict(block_size=4, num_draft_layers=2, attention_backend="sdpa", dtype="float32")
+    """Drafter geometry for tests: 2 layers, block 4, SDPA (float32: DFlashDrafter.from_target's default)."""
+    base = dict(block_size=4, num_draft_layers=2, attention_backend="sdpa")
     base.update(overrides)
     return ModelConfig(**base)

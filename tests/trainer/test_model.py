@@ -14,9 +14,9 @@ from trainer.objective import PackedBatch, block_inputs
 BS = 4
 
 
-def _drafter(target, seed=0, **kw):
+def _drafter(target, seed=0, dtype="float32", **kw):
     torch.manual_seed(seed)
-    return DFlashDrafter.from_target(small_model_config(**kw), target, MASK_ID).eval()
+    return DFlashDrafter.from_target(small_model_config(**kw), target, MASK_ID, dtype).eval()
 
 
 def _row(target, L=40, seed=0):
