@@ -37,6 +37,7 @@ def _one_step_config(out: Path, gamma: float) -> Path:
         "model": {"target": "tiny", "tiny_target": TINY.model_dump(mode="json"), "block_size": 4,
                   "num_draft_layers": 1, "num_target_features": 2},
         "data": {"max_len": 64, "token_budget": 256, "max_batch_size": 4, "num_anchors": 8},
+        "evaluation": {"budgets": [], "temperatures": [0.0]},  # τ is not what this test reads: the cheapest mode
         "epochs": 1, "max_steps": 1, "seed": 3, "log_every": 1, "output_dir": str(out), "gamma": gamma,
     }
     path = out.with_suffix(".json")
