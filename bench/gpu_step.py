@@ -317,7 +317,9 @@ def warmup_config(a: argparse.Namespace) -> int:
     row = a.row_len or g.lengths[-1]
     train = {
         "model": {"target": str(d / "target"), "block_size": g.block, "num_draft_layers": g.layers,
-                  "num_target_features": g.features, "dtype": g.dtype, "mask_token_id": g.vocab - 1},
+                  "num_target_features": g.features, "mask_token_id": g.vocab - 1},
+        # the warm-up compiles the step this script times: the drafter's weights in g.dtype, no autocast
+        "precision": {"bfloat16": "bf16-true", "float32": "fp32"}[g.dtype],
         "data": {"max_len": row, "token_budget": row, "max_batch_size": 1, "num_anchors": g.anchors},
         "compile": {"enabled": True, "cache_dir": str(d / "inductor")},
         "output_dir": str(d / "out"),

@@ -120,7 +120,7 @@ def test_warmup_config_at_qwen3_8b_size_is_a_valid_train_config(tmp_path):
     assert _gpu_step().main(["warmup-config", str(tmp_path), "--size", "qwen3-8b", "--row-len", "4096"]) == 0
     cfg = load_config(tmp_path / "train.json")
     assert [s.to_dict() for s in training_shapes(cfg)] == [{"rows": 1, "row_len": 4096, "num_anchors": 512}]
-    assert cfg.compile.enabled and cfg.model.dtype == "bfloat16" and cfg.model.num_draft_layers == 5
+    assert cfg.compile.enabled and cfg.precision == "bf16-true" and cfg.model.num_draft_layers == 5
     tc = AutoConfig.from_pretrained(cfg.model.target)
     assert (tc.hidden_size, tc.num_hidden_layers, tc.num_attention_heads, tc.num_key_value_heads) == (4096, 36, 32, 8)
     from trainer.features import rope_theta_of
