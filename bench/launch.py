@@ -1,24 +1,32 @@
 """Launch cost on the fake Proxmox host: `pct exec` calls per launch and wall time, against the same steps
-done by hand as separate `ssh HOST pct exec CT -- ...` calls. Both are measured in the same run.
+done by hand as separate `ssh HOST pct exec CT -- ...` calls, and against the floor: one bare
+`ssh HOST pct exec CT -- true`. All are measured in the same run, with the same pct delay.
 
     python bench/launch.py [--repeats 5] [--pct-delay 0.3]
 
-dflashctl   ops.launch over a fresh SSH connection (as one `dflashctl launch` invocation makes): ONE agent
-            call does preflight (session, GPUs, venv), the run directory and `tmux new-session`.
+command     the installed `dflashctl` console script, `dflashctl -i INV launch bench --tag rN`, in a new
+            process: imports, inventory, SSH connection, the agent call and the printed result.
+ops.launch  the same launch in this process over a fresh SSH connection (no imports, no inventory): ONE
+            agent call does preflight (session, GPUs, venv), the run directory and `tmux new-session`.
+bare exec   OpenSSH client, one `pct exec CT -- true`: what any command into the container costs at least.
 by hand     OpenSSH client, new connection per step, as a person types them: `tmux has-session`,
             `nvidia-smi --query-gpu=...`, `mkdir -p` the run dir, write run.json, write the start script,
             `tmux new-session -d`. Six `pct exec` calls.
 Each launch is followed (untimed) by killing its session so the next one starts clean. The bundle push of
 the very first agent call is done before timing and reported separately. Needs root (namespaces).
+Goals (issue 12): command <= 1.3x the bare exec, <= 0.2x the hand loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +38,7 @@ from fakehost import FakePVE  # noqa: E402
 
 from orchestrator import assets  # noqa: E402
 from orchestrator.ops.launch import LaunchSpec, launch  # noqa: E402
+from orchestrator.ops.lock import lock_hash  # noqa: E402
 from orchestrator.target import ContainerTarget  # noqa: E402
 from orchestrator.transport.quoting import render  # noqa: E402
 
@@ -37,19 +46,22 @@ CTID = 240
 SCRIPT = assets.on_disk("start_training.sh")
 
 
+LOCK = b"dflashbench==1.0 --hash=sha256:00\n"  # what the container venv's fingerprint says it was built from
+
+
 def make_container(pve: FakePVE):
     ct = pve.create_container(CTID, gpus=8)
     venv = Path(ct.workdir) / "venvs" / "bench-0"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)  # has libtmux, like a built venv
-    (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": "bench", "packages": {}}))
+    (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock_hash(LOCK), "packages": {}}))
     (Path(ct.workdir) / "venvs" / "current").symlink_to(venv.name)
     return ct
 
 
 def spec(tag: str) -> LaunchSpec:
     return LaunchSpec(experiment="bench", kind="command", target="ct", tag=tag, command=["sleep", "30"],
-                      gpus=[5, 6, 7], venv_profile={"kind": "uv"}, lock_hash="bench")
+                      gpus=[5, 6, 7], venv_profile={"kind": "uv"}, lock_hash=lock_hash(LOCK))
 
 
 def by_hand(pve: FakePVE, ct, n: int) -> None:
@@ -72,8 +84,63 @@ def by_hand(pve: FakePVE, ct, n: int) -> None:
           render(["bash", f"{run_dir}/start_training.sh", run_dir, "--", "sleep", "30"])])
 
 
+def bare_exec(pve: FakePVE) -> None:
+    """The floor: one OpenSSH connection, one `pct exec CT -- true`."""
+    res = subprocess.run(pve.ssh_argv(render(["pct", "exec", str(CTID), "--keep-env", "0", "--", "true"])),
+                         capture_output=True, timeout=60)
+    if res.returncode != 0:
+        raise RuntimeError(f"bare pct exec failed ({res.returncode}): {res.stderr.decode()[-300:]}")
+
+
+def console_script() -> list[str]:
+    """The installed `dflashctl` entry point, run by this interpreter (a pyenv shim's own start-up is not ours)."""
+    beside = Path(sys.executable).parent / "dflashctl"
+    exe = str(beside) if beside.is_file() else shutil.which("dflashctl")
+    if exe is None:
+        raise SystemExit("the dflashctl console script is not installed: pip install -e .")
+    return [sys.executable, exe]
+
+
+def write_inventory(pve: FakePVE, ct, path: Path) -> Path:
+    """An inventory naming the fake host, the container and the bench experiment (as `spec` builds it)."""
+    inv = {
+        "hosts": {"pve": pve.host_entry()},
+        "targets": {"ct": {"kind": "container", "host": "pve", "ctid": CTID, "workdir": ct.workdir, "venv": "v"}},
+        "venvs": {"v": {"kind": "uv", "lock": str(path.parent / "bench.txt")}},
+        "experiments": {"bench": {"kind": "command", "target": "ct", "gpus": [5, 6, 7], "command": ["sleep", "30"]}},
+    }
+    path.write_text(json.dumps(inv))
+    (path.parent / "bench.txt").write_bytes(LOCK)
+    return path
+
+
+def run_command(inv: Path, tag: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+               DFLASHCTL_STATE_DIR=str(inv.parent / "state"))  # run records of the bench stay in its temp dir
+    res = subprocess.run([*console_script(), "-i", str(inv), "launch", "bench", "--tag", tag],
+                         capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        raise RuntimeError(f"dflashctl launch failed ({res.returncode}): {res.stdout[-300:]} {res.stderr[-600:]}")
+
+
 def kill_session(ct) -> None:
     ct.exec(["tmux", "kill-session", "-t", "=dflash-bench"])
+
+
+def timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def in_process(pve: FakePVE, tag: str) -> None:
+    target = ContainerTarget(name="ct", workdir=pve_ct_workdir(pve), transport=pve.pct_transport(CTID))
+    launch(target, spec(tag), record=False)
+    target.close()
+
+
+def pve_ct_workdir(pve: FakePVE) -> str:
+    return pve.container(CTID).workdir
 
 
 def main() -> int:
@@ -81,40 +148,40 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--pct-delay", type=float, default=0.3, help="seconds each pct call sleeps (Perl start-up)")
     args = ap.parse_args()
-    with FakePVE() as pve:
+    times: dict[str, list[float]] = {"command": [], "ops": [], "hand": [], "bare": []}
+    calls: dict[str, set[int]] = {"command": set(), "ops": set(), "hand": set()}
+    with FakePVE() as pve, tempfile.TemporaryDirectory() as tmp:
         ct = make_container(pve)
+        inv = write_inventory(pve, ct, Path(tmp) / "inventory.yaml")
         target = ContainerTarget(name="ct", workdir=ct.workdir, transport=pve.pct_transport(CTID))
         t0 = time.perf_counter()
         target.agent("echo")  # first contact: the bundle travels inline (same single exec)
         first = time.perf_counter() - t0
         target.close()
+        run_command(inv, "warm")  # the first command run writes its caches (bytecode, known bundles)
+        kill_session(ct)
         pve.set_delay(args.pct_delay)
-
-        ours, ours_calls, hand, hand_calls = [], [], [], []
+        steps = {"command": lambda i: run_command(inv, f"c{i}"), "ops": lambda i: in_process(pve, f"r{i}"),
+                 "hand": lambda i: by_hand(pve, ct, i), "bare": lambda i: bare_exec(pve)}
         for i in range(args.repeats):
-            pve.clear_pct_calls()
-            t0 = time.perf_counter()
-            target = ContainerTarget(name="ct", workdir=ct.workdir, transport=pve.pct_transport(CTID))
-            launch(target, spec(f"r{i}"), record=False)
-            target.close()
-            ours.append(time.perf_counter() - t0)
-            ours_calls.append(len(pve.pct_exec_calls(CTID)))
-            kill_session(ct)
-
-            pve.clear_pct_calls()
-            t0 = time.perf_counter()
-            by_hand(pve, ct, i)
-            hand.append(time.perf_counter() - t0)
-            hand_calls.append(len(pve.pct_exec_calls(CTID)))
-            kill_session(ct)
+            for name, step in steps.items():
+                pve.clear_pct_calls()
+                times[name].append(timed(step, i))
+                if name in calls:
+                    calls[name].add(len(pve.pct_exec_calls(CTID)))
+                    kill_session(ct)
         pve.remove_container(CTID)
 
-    mo, mh = statistics.median(ours), statistics.median(hand)
-    print(f"pct delay {args.pct_delay:.2f} s, {args.repeats} launches each (median wall time)")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"pct delay {args.pct_delay:.2f} s, {args.repeats} runs each (median wall time)")
     print(f"  first agent call (bundle push included, untimed above): {first:.2f} s")
-    print(f"  dflashctl launch : {mo:.2f} s   pct exec calls per launch: {sorted(set(ours_calls))}")
-    print(f"  by hand (6 steps): {mh:.2f} s   pct exec calls per launch: {sorted(set(hand_calls))}")
-    print(f"  ratio by-hand / dflashctl: {mh / mo:.2f}x")
+    print(f"  dflashctl launch (console script): {med['command']:.2f} s   pct exec calls: {sorted(calls['command'])}")
+    print(f"  ops.launch in-process            : {med['ops']:.2f} s   pct exec calls: {sorted(calls['ops'])}")
+    print(f"  by hand (6 steps)                : {med['hand']:.2f} s   pct exec calls: {sorted(calls['hand'])}")
+    print(f"  bare ssh + pct exec true         : {med['bare']:.2f} s   pct exec calls: [1]")
+    print(f"  command / bare exec : {med['command'] / med['bare']:.2f}x   (goal <= 1.3x)")
+    print(f"  command / by hand   : {med['command'] / med['hand']:.2f}x   (goal <= 0.2x)")
+    print(f"  by hand / command   : {med['hand'] / med['command']:.2f}x")
     return 0
 
 

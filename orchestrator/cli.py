@@ -24,6 +24,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: rich's help formatter costs more start-up than the rest of `--help`, and every text
+    # stays literal (no markup in docstrings to interpret).
+    rich_markup_mode=None,
 )
 
 

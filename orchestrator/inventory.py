@@ -27,13 +27,18 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from orchestrator import assets, names
+from orchestrator import names
+from orchestrator.inventory_file import (  # noqa: F401 - the lookup lives there, light enough for preconnect
+    EMBEDDED,
+    ENV_VAR,
+    embedded_text,
+    find_inventory,
+    read_inventory,
+    user_config_path,
+)
 from orchestrator.errors import InventoryError, UserError
 from trainer.config import TrainConfig
 
-ENV_VAR = "DFLASHCTL_INVENTORY"
-EMBEDDED = "<embedded default inventory>"
-DEFAULT_RESOURCE = "inventory.yaml"
 
 
 def check_name(kind: str, value: str) -> str:
@@ -608,43 +613,6 @@ def parse_inventory(text: str, source: str = "inventory.yaml") -> Inventory:
     return inv
 
 
-def embedded_text() -> str:
-    """The text of the embedded default inventory (packaged with orchestrator)."""
-    return assets.read_text(DEFAULT_RESOURCE)
-
-
-def user_config_path() -> Path:
-    """`<user config dir>/dflashctl/inventory.yaml` (platformdirs)."""
-    import platformdirs
-
-    return Path(platformdirs.user_config_dir("dflashctl")) / "inventory.yaml"
-
-
-def find_inventory(path: str | os.PathLike | None = None) -> Path | None:
-    """The inventory file by the lookup order, or None for the embedded default.
-
-    Raises:
-        InventoryError: an explicitly given file (argument or $DFLASHCTL_INVENTORY) does not exist.
-    """
-    if path:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise InventoryError(f"inventory file {str(p)!r} (from --inventory) does not exist",
-                                 fix="pass an existing file to --inventory, or leave it out for the default")
-        return p
-    env = os.environ.get(ENV_VAR)
-    if env:
-        p = Path(env).expanduser()
-        if not p.is_file():
-            raise InventoryError(f"inventory file {str(p)!r} (from ${ENV_VAR}) does not exist",
-                                 fix=f"unset {ENV_VAR} or point it at an existing file")
-        return p
-    for p in (Path.cwd() / "inventory.yaml", user_config_path()):
-        if p.is_file():
-            return p
-    return None
-
-
 def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     """Load the inventory by the lookup order (see the module docstring).
 
@@ -655,11 +623,4 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     Raises:
         InventoryError: missing explicit file, unreadable file, or invalid content (file:line: key: what).
     """
-    p = find_inventory(path)
-    if p is None:
-        return parse_inventory(embedded_text(), EMBEDDED)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InventoryError(f"cannot read inventory file {str(p)!r}: {exc}") from None
-    return parse_inventory(text, str(p))
+    return parse_inventory(*read_inventory(path))

@@ -270,7 +270,7 @@ class ContainerTarget(BaseTarget):
 # ------------------------------------------------------------------------------------ factory
 
 
-def open_target(inv, name: str) -> BaseTarget:
+def open_target(inv, name: str, early=None) -> BaseTarget:
     """Build the Target named `name` in the inventory `inv`.
 
     A local target gets its workdir expanded and created, and the venv profile's interpreter (the
@@ -281,11 +281,14 @@ def open_target(inv, name: str) -> BaseTarget:
     Args:
         inv: an `orchestrator.inventory.Inventory`.
         name: the target's key under `targets:`.
+        early: an orchestrator.preconnect.EarlyConnection started by the command, or None; its connection
+            is used when it was made for this target's host exactly as the inventory says.
     Returns:
         A LocalTarget or ContainerTarget (close it when done: it may hold an SSH connection).
     Raises:
         UserError / InventoryError: unsafe or unknown name (with a suggestion), or a local workdir that
             cannot be created.
+        ConnectError / HostKeyError: the early connection to this target's host failed.
     """
     from pathlib import Path
 
@@ -295,7 +298,12 @@ def open_target(inv, name: str) -> BaseTarget:
     spec = inv.target(name)
     if isinstance(spec, ContainerTargetSpec):
         host = inv.host(spec.host)
-        return container_target(name, spec, host, ssh_transport(host, spec.host))
+        ssh = None
+        if early is not None:
+            from orchestrator.preconnect import HostKey
+
+            ssh = early.take(HostKey.of(spec.host, host))
+        return container_target(name, spec, host, ssh or ssh_transport(host, spec.host))
 
     workdir = spec.resolved_workdir()
     try:

@@ -7,7 +7,8 @@ import sys
 
 import typer
 
-runs_app = typer.Typer(help="Recorded runs on this workstation; `runs diff A B` says what changed.", no_args_is_help=False)
+runs_app = typer.Typer(help="Recorded runs on this workstation; `runs diff A B` says what changed.", no_args_is_help=False,
+                       rich_markup_mode=None)
 
 
 def _inv():
@@ -33,18 +34,29 @@ def register(app: typer.Typer) -> None:
                                    help="Continue this run of the experiment from its last complete checkpoint (a new run)."),
     ) -> None:
         """Preflight (GPUs idle, no live session, venv = lock), write runs/<id>/, start it in tmux."""
-        from orchestrator.ops.launch import launch, spec_from_inventory
-        from orchestrator.render import EventPrinter, console, print_json, text
-        from orchestrator.target import open_target
+        from orchestrator import preconnect
+        from orchestrator.cli import GlobalOptions
 
-        inv = _inv()
-        spec = spec_from_inventory(inv, experiment, target, tag)  # names checked before any connection
-        tgt = open_target(inv, spec.target)
+        early = preconnect.start(GlobalOptions.inventory, target, experiment)  # while the inventory is validated
         try:
-            result = launch(tgt, spec, replace=replace, dry_run=dry_run, grace_s=grace, resume=resume,
-                            on_event=EventPrinter(quiet=as_json), cli=shlex.join(["dflashctl", *sys.argv[1:]]))
+            from orchestrator.ops.launch import launch, spec_from_inventory
+            from orchestrator.target import open_target
+
+            inv = _inv()
+            spec = spec_from_inventory(inv, experiment, target, tag)  # names checked before any command runs
+            tgt = open_target(inv, spec.target, early)
+            try:
+                from orchestrator.render import EventPrinter
+
+                result = launch(tgt, spec, replace=replace, dry_run=dry_run, grace_s=grace, resume=resume,
+                                on_event=EventPrinter(quiet=as_json), cli=shlex.join(["dflashctl", *sys.argv[1:]]))
+            finally:
+                tgt.close()
         finally:
-            tgt.close()
+            if early is not None:
+                early.close()
+        from orchestrator.render import console, print_json, text
+
         if as_json and follow and not dry_run:
             import json  # one JSON line, then those of the follow (as `logs --json` writes them)
 

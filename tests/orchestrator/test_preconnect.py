@@ -1,0 +1,75 @@
+"""The early SSH connection (orchestrator.preconnect): started from the raw inventory while it is validated,
+taken by open_target only for exactly the host it was made for, its errors raised there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator import preconnect
+from orchestrator.errors import HostKeyError
+from orchestrator.inventory import load_inventory
+from orchestrator.preconnect import HostKey
+from orchestrator.target import open_target
+
+
+def write_inv(tmp_path: Path, host: dict, ctid: int = 990) -> Path:
+    inv = {
+        "hosts": {"pve": host},
+        "targets": {"ct": {"kind": "container", "host": "pve", "ctid": ctid, "workdir": "/root/dflash", "venv": "sys"},
+                    "here": {"kind": "local", "workdir": str(tmp_path / "work")}},
+        "venvs": {"sys": {"kind": "system"}},
+        "experiments": {"e": {"kind": "command", "target": "ct", "command": ["true"]},
+                        "l": {"kind": "command", "target": "here", "command": ["true"]}},
+    }
+    p = tmp_path / "inv.yaml"
+    p.write_text(json.dumps(inv))
+    return p
+
+
+def test_the_early_connection_is_the_one_the_target_uses(fake_pve, tmp_path):
+    path = write_inv(tmp_path, fake_pve.host_entry())
+    early = preconnect.start(str(path), None, "e")  # the experiment's target, found in the raw YAML
+    assert early is not None and early.key == HostKey.of("pve", load_inventory(path).host("pve"))
+    tgt = open_target(load_inventory(path), "ct", early)
+    try:
+        ssh = tgt.transport.parent
+        assert ssh.connects == 1  # connected by the thread, before open_target
+        assert ssh.run(["true"]).exit_code == 0 and ssh.connects == 1
+    finally:
+        tgt.close()
+        early.close()
+
+
+def test_a_local_target_or_an_unreadable_inventory_starts_nothing(fake_pve, tmp_path):
+    path = write_inv(tmp_path, fake_pve.host_entry())
+    assert preconnect.start(str(path), "here") is None
+    assert preconnect.start(str(path), None, "l") is None
+    assert preconnect.start(str(path), "nosuch") is None
+    assert preconnect.start(str(tmp_path / "missing.yaml"), "ct") is None
+    (tmp_path / "bad.yaml").write_text("hosts: [unclosed\n")
+    assert preconnect.start(str(tmp_path / "bad.yaml"), "ct") is None
+
+
+def test_a_connection_made_for_other_settings_is_closed_not_used(fake_pve, tmp_path):
+    path = write_inv(tmp_path, fake_pve.host_entry())
+    early = preconnect.start(str(path), "ct")
+    other = HostKey.of("pve", load_inventory(path).host("pve"))
+    other = HostKey(other.name, other.ssh, other.port, "someoneelse", other.identity_file, other.known_hosts)
+    assert early.take(other) is None
+    assert early.take(early.key) is None  # handed over (here: closed) once
+
+
+def test_an_unknown_host_key_met_early_is_the_error_open_target_raises(fake_pve, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    path = write_inv(tmp_path, {**fake_pve.host_entry(), "known_hosts": str(empty)})
+    inv = load_inventory(path)
+    with pytest.raises(HostKeyError) as late:
+        open_target(inv, "ct").transport.parent.connect()
+    early = preconnect.start(str(path), "ct")
+    with pytest.raises(HostKeyError) as info:
+        open_target(inv, "ct", early)
+    assert info.value.message == late.value.message and info.value.fix == late.value.fix
