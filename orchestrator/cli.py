@@ -1,6 +1,7 @@
 """The `dflashctl` command line: thin. Each verb lives in `orchestrator/commands/<verb>.py`, which parses
 its flags, makes one call into `orchestrator.ops`, and renders the typed result with rich; every module is
-imported and registered explicitly below.
+imported and registered explicitly below. The global options travel in typer's context object
+(orchestrator.commands.options), made fresh by `main` for each invocation.
 
 Heavy modules (paramiko, torch, transformers) are imported lazily inside the command functions, so
 `dflashctl --help` answers fast. One error handler at the top: a one-line message with the fix; the
@@ -16,7 +17,22 @@ import sys
 
 import typer
 
-from orchestrator.commands import diagnose, doctor, launch, logs, metrics, trust, venv, warmup
+from orchestrator.commands import (
+    attach,
+    diagnose,
+    doctor,
+    launch,
+    lock,
+    logs,
+    metrics,
+    rebuild_venv,
+    runs,
+    status,
+    stop,
+    trust,
+    warmup,
+)
+from orchestrator.commands.options import Options
 
 app = typer.Typer(
     name="dflashctl",
@@ -30,24 +46,19 @@ app = typer.Typer(
 )
 
 
-class GlobalOptions:
-    """Options shared by every command (set by the callback, read by commands)."""
-
-    inventory: str | None = None
-    verbose: bool = False
-
-
 @app.callback()
 def _global(
+    ctx: typer.Context,
     inventory: str = typer.Option(None, "--inventory", "-i", help="inventory.yaml to use (else $DFLASHCTL_INVENTORY, ./inventory.yaml, the user config dir, the embedded default)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks on errors."),
 ) -> None:
-    GlobalOptions.inventory = inventory
-    GlobalOptions.verbose = verbose
+    opts = ctx.ensure_object(Options)
+    opts.inventory = inventory
+    opts.verbose = verbose
 
 
 # Every verb, registered explicitly: a missing verb module is an ImportError here, never a silent gap.
-for _module in (doctor, trust, diagnose, venv, launch, logs, metrics, warmup):
+for _module in (doctor, trust, diagnose, rebuild_venv, lock, launch, status, stop, attach, logs, metrics, warmup, runs):
     _module.register(app)
 
 
@@ -81,12 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     one line and exit 2."""
     from orchestrator.errors import DflashError
 
+    opts = Options()  # this invocation's; the callback fills it, the error handler reads --verbose from it
     try:
         # With standalone_mode=False click turns `raise typer.Exit(n)` into a return value, not an exception.
-        rc = app(args=argv, prog_name="dflashctl", standalone_mode=False)
+        rc = app(args=argv, prog_name="dflashctl", standalone_mode=False, obj=opts)
         return rc if isinstance(rc, int) else 0
     except DflashError as exc:
-        return _dflash_error(exc)
+        return _dflash_error(exc, opts.verbose)
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
@@ -99,12 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         return _usage_error(exc)
 
 
-def _dflash_error(exc) -> int:
+def _dflash_error(exc, verbose: bool) -> int:
     """Print a DflashError as `error: ...` and `fix: ...` (literal text, never markup); the traceback only
     with --verbose or $DFLASHCTL_VERBOSE."""
     from orchestrator.render import console, text
 
-    if GlobalOptions.verbose or os.environ.get("DFLASHCTL_VERBOSE"):
+    if verbose or os.environ.get("DFLASHCTL_VERBOSE"):
         import traceback
 
         traceback.print_exc()

@@ -9,6 +9,8 @@ import sys
 
 import typer
 
+from orchestrator.commands import options
+
 EXIT_CODES_HELP = (
     "Exit codes: 0 the run succeeded (or, without --follow, is still running); 1 it failed (or crashed) "
     "with no known signature; 2 it failed or crashed with a known crash signature; 3 the connection was "
@@ -100,22 +102,22 @@ def follow_and_print(inv, ref: str | None, *, target: str | None, follow: bool, 
     return outcome.exit_code
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("logs", help="Show a run's log, or follow it until the run ends. " + EXIT_CODES_HELP)
-    def logs_cmd(
-        ref: str = typer.Argument(None, metavar="[RUN|EXPERIMENT]",
-                                  help="A run id, or an experiment name (its newest run). Default: the newest run."),
-        target: str = typer.Option(None, "--target", "-t", help="Target holding the run (default: the experiment's, else `local`)."),
-        follow: bool = typer.Option(False, "--follow", "-f", help="Follow until the run ends (Ctrl-C stops following; the run keeps running)."),
-        tail: int = typer.Option(100, "--tail", "-n", help="Start at the last N lines (-1: the whole log)."),
-        raw: bool = typer.Option(False, "--raw", help="Only the log lines, exactly as written: no diagnoses, alerts or summary."),
-        as_json: bool = typer.Option(False, "--json", help="One JSON object per line: line, match, alert, status, then outcome."),
-    ) -> None:
-        from orchestrator.cli import GlobalOptions
-        from orchestrator.inventory import load_inventory
+def logs_cmd(
+    ctx: typer.Context,
+    ref: str = typer.Argument(None, metavar="[RUN|EXPERIMENT]",
+                              help="A run id, or an experiment name (its newest run). Default: the newest run."),
+    target: str = typer.Option(None, "--target", "-t", help="Target holding the run (default: the experiment's, else `local`)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Follow until the run ends (Ctrl-C stops following; the run keeps running)."),
+    tail: int = typer.Option(100, "--tail", "-n", help="Start at the last N lines (-1: the whole log)."),
+    raw: bool = typer.Option(False, "--raw", help="Only the log lines, exactly as written: no diagnoses, alerts or summary."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line: line, match, alert, status, then outcome."),
+) -> None:
+    if raw and as_json:
+        raise typer.BadParameter("--raw and --json exclude each other")
+    inv = options.load(ctx)
+    raise typer.Exit(follow_and_print(inv, ref, target=target, follow=follow, tail=None if tail < 0 else tail,
+                                      raw=raw, as_json=as_json))
 
-        if raw and as_json:
-            raise typer.BadParameter("--raw and --json exclude each other")
-        inv = load_inventory(GlobalOptions.inventory)
-        raise typer.Exit(follow_and_print(inv, ref, target=target, follow=follow, tail=None if tail < 0 else tail,
-                                          raw=raw, as_json=as_json))
+
+def register(app: typer.Typer) -> None:
+    app.command("logs", help="Show a run's log, or follow it until the run ends. " + EXIT_CODES_HELP)(logs_cmd)

@@ -101,6 +101,19 @@ def session_for(ref: str, inv=None) -> tuple[str, str | None, str | None]:
     return names.session_name(ref), ref, exp.target
 
 
+def attach_command(inv, ref: str, *, target: str | None = None, read_only: bool = False) -> list[str]:
+    """`dflashctl attach`: the argv that attaches to the session of run or experiment `ref` on `target`
+    (default: the run's, else the inventory's default). Opens the target for its settings and closes it."""
+    from orchestrator.target import open_target
+
+    session, _experiment, tname = session_for(ref, inv)
+    tgt = open_target(inv, target or tname or inv.default_target())
+    try:
+        return attach_argv(tgt, session, read_only)
+    finally:
+        tgt.close()
+
+
 def exec_attach(argv: list[str]) -> None:  # pragma: no cover - replaces the process
     """Replace this process with the attach command (the terminal belongs to tmux from here on).
 

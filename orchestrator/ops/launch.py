@@ -283,6 +283,20 @@ def launch(
     return result
 
 
+def launch_experiment(inv, experiment: str, *, target: str | None = None, tag: str | None = None,
+                      early=None, **kw) -> LaunchResult:
+    """`dflashctl launch`: resolve `experiment` of `inv` (names checked before anything connects), open its
+    target (or `target`), launch, close. `early`: an orchestrator.preconnect.EarlyConnection; `kw`: launch's."""
+    from orchestrator.target import open_target
+
+    spec = spec_from_inventory(inv, experiment, target, tag)
+    tgt = open_target(inv, spec.target, early)
+    try:
+        return launch(tgt, spec, **kw)
+    finally:
+        tgt.close()
+
+
 def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: str, *, on_event=None,
                     timeout: float | None = None) -> dict:
     """One agent call; an error event whose type is in `refusals` becomes a PreflightError ("<what> refused:

@@ -77,6 +77,20 @@ def _real_tau(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
     return {("τ chain" if b is None else f"τ tree B={b}"): found[b] for b in order}
 
 
+def metrics_of(inv, ref: str | None, *, target: str | None = None) -> MetricsSeries:
+    """`dflashctl metrics`: the run `ref` (a run id, an experiment = its newest run, None = the newest run)
+    found as `logs` finds it (ops.logs.resolve); its target opened, read (fetch_metrics), closed."""
+    from orchestrator.ops.logs import resolve
+    from orchestrator.target import open_target
+
+    target_name, run_id, experiment = resolve(inv, ref, target)
+    tgt = open_target(inv, target_name)
+    try:
+        return fetch_metrics(tgt, run_id, experiment=experiment)
+    finally:
+        tgt.close()
+
+
 def series_from_rows(run_id: str, rows: list[dict], total: int | None = None) -> MetricsSeries:
     """Pick the known series out of metric rows; rows without a step use their index."""
     out = MetricsSeries(run_id, total if total is not None else len(rows))

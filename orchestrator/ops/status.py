@@ -64,3 +64,14 @@ def status(target, *, limit: int = 20, timeout: float | None = 120) -> TargetSta
         runs=data.get("runs") or [],
         total_runs=int(data.get("total_runs") or 0),
     )
+
+
+def status_of(inv, target: str, *, limit: int = 20) -> TargetStatus:
+    """`dflashctl status`: open `target` of `inv`, ask it (status), close it."""
+    from orchestrator.target import open_target
+
+    tgt = open_target(inv, target)
+    try:
+        return status(tgt, limit=limit)
+    finally:
+        tgt.close()

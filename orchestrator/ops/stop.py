@@ -81,6 +81,26 @@ def stop(
     )
 
 
+def stop_run(inv, ref: str, *, target: str | None = None, grace_s: float = DEFAULT_GRACE_S,
+             on_event: Callable[[dict], None] | None = None) -> StopResult:
+    """`dflashctl stop`: the run `ref` (a recorded run id, or one the target knows) on `target`, else on the
+    target its record names, else the inventory's default; its recorded GPUs are waited for."""
+    from orchestrator.records import find_record
+    from orchestrator.target import open_target
+
+    try:
+        rec = find_record(ref)
+    except RunNotFound:
+        rec = {"run_id": ref, "target": target}
+    tname = target or rec.get("target") or inv.default_target()
+    tgt = open_target(inv, tname)
+    try:
+        return stop(tgt, rec["run_id"], grace_s=grace_s, gpus=rec.get("gpus") or [],
+                    gpu_idle_mib=getattr(inv.target(tname), "gpu_idle_mib", 1024), on_event=on_event)
+    finally:
+        tgt.close()
+
+
 def _record(run_id: str, stopped: dict) -> None:
     """Note the stop in the workstation records (`dflashctl runs` shows it); a run launched from another
     workstation has no record here, and that is fine."""

@@ -469,6 +469,19 @@ class _BuildPlan:
             carry.remember(self.key, self.uv.sha256, self.wheels)
 
 
+def rebuild(inv, target: str | None, profile: str | None, **kw) -> tuple[str, str, VenvReport]:
+    """`dflashctl rebuild-venv`: (target name, profile name, report) of rebuild_venv (`kw`) on `target`
+    (default: the inventory's) with `profile` (default: the target's), the target opened and closed."""
+    from orchestrator.target import open_target
+
+    tname, pname, prof = profile_for(inv, target, profile)
+    tgt = open_target(inv, tname)
+    try:
+        return tname, pname, rebuild_venv(tgt, prof, **kw)
+    finally:
+        tgt.close()
+
+
 def _run_script(target, argv: list[str], stdin: bytes | None, on_event, timeout: float):
     events = _Events(on_event)
     res = target.run(argv, stdin=stdin, timeout=timeout, on_stdout=events.feed)

@@ -71,3 +71,18 @@ def warmup(
                            on_event=on_event, timeout=timeout)
     return WarmupResult(experiment=spec.experiment, target=spec.target, cache_dir=data.get("cache_dir") or "",
                         dir=data.get("dir") or "", warmups=list(data.get("warmups") or []))
+
+
+def warmup_experiment(inv, experiment: str, *, target: str | None = None,
+                      on_event: Callable[[dict], None] | None = None) -> WarmupResult:
+    """`dflashctl warmup`: resolve `experiment` (names checked before anything connects), open its target (or
+    `target`), warm up, close."""
+    from orchestrator.ops.launch import spec_from_inventory
+    from orchestrator.target import open_target
+
+    spec = spec_from_inventory(inv, experiment, target)
+    tgt = open_target(inv, spec.target)
+    try:
+        return warmup(tgt, spec, on_event=on_event)
+    finally:
+        tgt.close()

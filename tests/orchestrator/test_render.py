@@ -70,7 +70,7 @@ def test_a_signature_match_in_logs_is_literal(capsys):
 
 
 def test_rebuild_venv_progress_lines_are_literal(capsys):
-    from orchestrator.commands.venv import _Progress
+    from orchestrator.commands.rebuild_venv import _Progress
 
     with _Progress(quiet=False) as view:
         view({"event": "progress", "step": RANK, "message": LINE})

@@ -1,8 +1,11 @@
-"""`dflashctl rebuild-venv` and `dflashctl lock`: the target's venv from a lock, and the locks themselves."""
+"""`dflashctl rebuild-venv [--target T] [--profile P] [--offline] [--force] [--rollback] [--json]`: the target's
+venv from its profile's lock."""
 
 from __future__ import annotations
 
 import typer
+
+from orchestrator.commands import options
 
 REBUILD_HELP = """Build the target's venv from its profile's lock in ONE command on the target: a new
 venvs/<lock-hash>-<time>/ (uv venv + exact uv pip sync of the lock and this project's bundle), every
@@ -11,10 +14,6 @@ atomically. The target needs no pip and no uv: this workstation's uv travels alo
 as do the profile's wheelhouse wheels; a container also gets tmux (apt-get) when it lacks it. Nothing to
 do when `current` already matches the lock and the bundle (unless --force). A failure names the step and
 the reason and leaves `current` as it was."""
-
-LOCK_HELP = """Regenerate templates/locks/PROFILE.txt (all profiles when none is given) with
-`uv pip compile --generate-hashes` from PROFILE.in, keeping existing pins unless --upgrade-package
-names a package."""
 
 
 class _Progress:
@@ -97,59 +96,32 @@ def _print_report(tname: str, pname: str, report) -> None:
         out.print(f"{tname}: tmux installed (apt-get)")
 
 
+def rebuild_venv_cmd(
+    ctx: typer.Context,
+    target: str = typer.Option(None, "--target", "-t", help="Target (default: the inventory's default)."),
+    profile: str = typer.Option(None, "--profile", "-p", help="Venv profile (default: the target's `venv`)."),
+    offline: bool = typer.Option(False, "--offline", help="Use only the uv cache (and local find_links)."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if the current venv matches."),
+    rollback: bool = typer.Option(False, "--rollback", help="Switch back to the previous venv."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    import dataclasses
+
+    from orchestrator.errors import UserError
+    from orchestrator.ops.venv import rebuild
+    from orchestrator.render import print_json
+
+    if rollback and (force or offline):
+        raise UserError("--rollback takes no --force or --offline", fix="dflashctl rebuild-venv --rollback")
+    inv = options.load(ctx)
+    with _Progress(quiet=as_json) as view:
+        tname, pname, report = rebuild(inv, target, profile, offline=offline, force=force, rollback=rollback,
+                                       on_event=view)
+    if as_json:
+        print_json(dataclasses.asdict(report))
+        return
+    _print_report(tname, pname, report)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("rebuild-venv", help=REBUILD_HELP)
-    def rebuild_venv_cmd(
-        target: str = typer.Option(None, "--target", "-t", help="Target (default: the inventory's default)."),
-        profile: str = typer.Option(None, "--profile", "-p", help="Venv profile (default: the target's `venv`)."),
-        offline: bool = typer.Option(False, "--offline", help="Use only the uv cache (and local find_links)."),
-        force: bool = typer.Option(False, "--force", help="Rebuild even if the current venv matches."),
-        rollback: bool = typer.Option(False, "--rollback", help="Switch back to the previous venv."),
-        as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    ) -> None:
-        import dataclasses
-
-        from orchestrator.cli import GlobalOptions
-        from orchestrator.errors import UserError
-        from orchestrator.inventory import load_inventory
-        from orchestrator.ops.venv import profile_for, rebuild_venv
-        from orchestrator.render import print_json
-        from orchestrator.target import open_target
-
-        if rollback and (force or offline):
-            raise UserError("--rollback takes no --force or --offline", fix="dflashctl rebuild-venv --rollback")
-        inv = load_inventory(GlobalOptions.inventory)
-        tname, pname, prof = profile_for(inv, target, profile)
-        tgt = open_target(inv, tname)
-        try:
-            with _Progress(quiet=as_json) as view:
-                report = rebuild_venv(tgt, prof, offline=offline, force=force, rollback=rollback, on_event=view)
-        finally:
-            tgt.close()
-        if as_json:
-            print_json(dataclasses.asdict(report))
-            return
-        _print_report(tname, pname, report)
-
-    @app.command("lock", help=LOCK_HELP)
-    def lock_cmd(
-        profile: str = typer.Argument(None, help="Lock profile (cpu, cuda, test); default: all."),
-        upgrade_package: list[str] = typer.Option([], "--upgrade-package", "-P", help="Allow this package to upgrade."),
-        find_links: list[str] = typer.Option([], "--find-links", help="Directory or URL with wheels (e.g. torch CPU)."),
-        index_url: str = typer.Option(None, "--index-url", help="Replace PyPI."),
-        extra_index_url: list[str] = typer.Option([], "--extra-index-url", help="An extra index."),
-    ) -> None:
-        from orchestrator import assets
-        from orchestrator.ops.lock import compile_lock
-        from orchestrator.render import console
-
-        out = console()
-        err = console(stderr=True)
-        profiles = [profile] if profile else sorted(p.stem for p in assets.locks_dir().glob("*.in"))
-        for name in profiles:
-            rep = compile_lock(name, upgrade_packages=upgrade_package, find_links=find_links, index_url=index_url,
-                               extra_index_urls=extra_index_url, on_line=lambda line: err.print(line, style="dim"))
-            what = "unchanged" if rep.unchanged else f"{rep.old_hash} -> {rep.hash}" if rep.old_hash else f"new {rep.hash}"
-            out.print(f"{name}: {rep.packages} packages, {what} ({rep.path})")
-            for pkg, (old, new) in rep.changed.items():
-                out.print(f"  {pkg}: {old or '(new)'} -> {new or '(removed)'}")
+    app.command("rebuild-venv", help=REBUILD_HELP)(rebuild_venv_cmd)

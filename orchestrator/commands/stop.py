@@ -1,0 +1,27 @@
+"""`dflashctl stop RUN [--target T] [--grace S]`: end a run gracefully and wait for its GPUs."""
+
+from __future__ import annotations
+
+import typer
+
+from orchestrator.commands import options
+
+
+def stop_cmd(
+    ctx: typer.Context,
+    run: str = typer.Argument(..., help="Run id (or an experiment: its newest recorded run)."),
+    target: str = typer.Option(None, "--target", "-t", help="Target (default: the run's, from the records)."),
+    grace: float = typer.Option(20.0, "--grace", help="Seconds between SIGINT, SIGTERM and SIGKILL."),
+) -> None:
+    """Stop a run gracefully: SIGINT, then SIGTERM after --grace, then SIGKILL; wait for its GPUs."""
+    from orchestrator.ops.stop import stop_run
+    from orchestrator.render import EventPrinter, console, run_state
+
+    res = stop_run(options.load(ctx), run, target=target, grace_s=grace, on_event=EventPrinter())
+    how = "had already ended" if res.already_ended else f"stopped with {', '.join(res.signals)}"
+    console().print(f"run {res.run_id} {how}: {run_state(res.state, (res.exit or {}).get('stopped'))}"
+                    + (f" (exit code {res.exit.get('exit_code')})" if res.exit else ""), soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("stop")(stop_cmd)
