@@ -40,7 +40,7 @@ from orchestrator import assets  # noqa: E402
 from orchestrator.ops.launch import LaunchSpec, launch  # noqa: E402
 from orchestrator.ops.lock import lock_hash  # noqa: E402
 from orchestrator.target import ContainerTarget  # noqa: E402
-from orchestrator.transport.quoting import render  # noqa: E402
+from orchestrator.quoting import render  # noqa: E402
 
 CTID = 240
 SCRIPT = assets.on_disk("start_training.sh")

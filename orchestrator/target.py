@@ -184,7 +184,7 @@ class ContainerTarget(BaseTarget):
 
     def wrap(self, argv: list[str]) -> list[str]:
         """argv with the container environment set inside the command itself (pct resets it)."""
-        from orchestrator.transport.quoting import with_env
+        from orchestrator.quoting import with_env
 
         return with_env(self.env(), argv)
 

@@ -40,7 +40,7 @@ def container_attach_argv(
     TERM must travel inside the command: `--keep-env 0` drops it, and tmux refuses to attach without one.
     """
     from orchestrator.transport.pct import pct_exec_argv
-    from orchestrator.transport.quoting import with_env
+    from orchestrator.quoting import with_env
     from orchestrator.transport.ssh import openssh_argv
 
     inner = with_env({**(env or {}), "TERM": os.environ.get("TERM") or "xterm-256color"},

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from orchestrator.agent import driver as nvdriver
 from orchestrator.errors import ConnectError, ContainerMissing, DflashError, HostKeyError, PctError
 from orchestrator.ops.venv import TMUX_INSTALL
-from orchestrator.transport.quoting import render
+from orchestrator.quoting import render
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
 

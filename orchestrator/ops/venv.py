@@ -530,7 +530,7 @@ TMUX_INSTALL = ["sh", "-c", "apt-get update && apt-get install -y tmux"]
 
 def tmux_fix(target) -> str:
     """The command that installs tmux in a container, runnable as printed on the workstation."""
-    from orchestrator.transport.quoting import render
+    from orchestrator.quoting import render
 
     line = getattr(getattr(target, "transport", None), "command_line", None)  # PctTransport: ssh ... pct exec
     return line(TMUX_INSTALL) if line is not None else render(TMUX_INSTALL)

@@ -38,7 +38,7 @@ class Result:
 
     def describe(self, lines: int = 10) -> str:
         """The command, where it ran, its exit code and the last lines of stderr (or stdout)."""
-        from orchestrator.transport.quoting import render
+        from orchestrator.quoting import render
 
         tail_src = self.stderr or self.stderr_tail or self.stdout
         tail = tail_src.decode("utf-8", errors="replace").splitlines()[-lines:]

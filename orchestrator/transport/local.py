@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from orchestrator.errors import ConnectError
 from orchestrator.transport.base import CommandTimeout, Result, StreamCallback
-from orchestrator.transport.quoting import check_argv
+from orchestrator.quoting import check_argv
 
 _CHUNK = 65536
 _TAIL = 16384
@@ -46,7 +46,7 @@ class LocalTransport:
 
     def command_line(self, argv: Sequence[str]) -> str:
         """`argv` as a command line the user can paste here (no hop: quoted once)."""
-        from orchestrator.transport.quoting import render
+        from orchestrator.quoting import render
 
         return render(argv)
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from orchestrator.errors import ConnectError, HostKeyError
 from orchestrator.transport.base import CommandTimeout, Result, StreamCallback
-from orchestrator.transport.quoting import render
+from orchestrator.quoting import render
 
 # paramiko logs handshake failures at ERROR; without a handler Python prints them on stderr next to
 # our own readable message. The exception carries the same text.

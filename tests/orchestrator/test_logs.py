@@ -28,7 +28,7 @@ from orchestrator.errors import RunNotFound
 from orchestrator.ops.logs import Backoff, LogHealth, follow, resolve
 from orchestrator.target import LocalTarget
 from orchestrator.transport.local import LocalTransport
-from orchestrator.transport.quoting import render
+from orchestrator.quoting import render
 
 ROOT = Path(__file__).resolve().parents[2]
 START = assets.on_disk("start_training.sh")

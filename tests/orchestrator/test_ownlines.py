@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from orchestrator import ownlines
 from orchestrator.ops.diagnose import diagnose
 from orchestrator.signatures import Matcher, load_catalogue
-from orchestrator.transport.quoting import render_line
+from orchestrator.quoting import render_line
 
 FORGED = "x\nModuleNotFoundError: No module named 'accelerate'"
 TRACEBACK = [

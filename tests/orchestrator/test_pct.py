@@ -9,7 +9,7 @@ from fakehost.strings import HOSTILE, PRINT_ARGV
 from orchestrator.errors import ContainerMissing, ContainerStopped, PctError, PctNotFound, SudoRequired, UserError
 from orchestrator.transport.base import Result
 from orchestrator.transport.pct import classify, pct_argv, pct_exec_argv
-from orchestrator.transport.quoting import render
+from orchestrator.quoting import render
 
 # ------------------------------------------------------------------------------------------ golden (pure)
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from fakehost.strings import HOSTILE, PRINT_ARGV
-from orchestrator.transport.quoting import render, with_env
+from orchestrator.quoting import render, with_env
 
 
 

@@ -1,4 +1,4 @@
-"""Property tests of the one quoting function (orchestrator.transport.quoting), issue 14: ANY text a command
+"""Property tests of the one quoting function (orchestrator.quoting), issue 14: ANY text a command
 line can carry arrives byte-exact as one argv element through the local shell, through ssh (the fake host's
 real sshd and its login shell) and through ssh + `pct exec`; a NUL byte, which no argv can carry, is refused
 by name before anything runs. Each example is one exec carrying a whole list of strings, so the ssh and pct
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from fakehost.strings import HOSTILE
 from orchestrator.transport.local import LocalTransport
-from orchestrator.transport.quoting import render, render_line
+from orchestrator.quoting import render, render_line
 
 # Prints the exact bytes of each argument (hex of the file-system encoding): byte-exact, whatever the locale.
 PRINT_BYTES = "import json, os, sys; sys.stdout.write(json.dumps([os.fsencode(a).hex() for a in sys.argv[1:]]))"

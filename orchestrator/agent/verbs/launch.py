@@ -36,7 +36,7 @@ from orchestrator.agent import resume
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.verbs import stop as stopverb
-from orchestrator.transport.quoting import render, render_line
+from orchestrator.quoting import render, render_line
 
 SCRIPT_NAME = "start_training.sh"
 ENV_FILE = "launch.env0"
