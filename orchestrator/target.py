@@ -143,8 +143,21 @@ class BaseTarget:
         """Run a plain command in the target's context (for the few things the agent cannot do)."""
         return self.transport.run(argv, **kw)
 
+    def abort(self) -> None:
+        """Cut the exec in progress from another thread: closing the connection ends its channel (the next
+        agent call reconnects). Best effort: the connection is being dropped anyway."""
+        try:
+            self.transport.close()
+        except Exception:  # noqa: BLE001
+            pass
+
     def close(self) -> None:
         self.transport.close()
+
+
+def tmux_attach_argv(session: str, read_only: bool = False) -> list[str]:
+    """`tmux attach-session [-r] -t =SESSION` (`=`: the exact name, never a prefix match)."""
+    return ["tmux", "attach-session", *(["-r"] if read_only else []), "-t", "=" + session]
 
 
 @dataclass
@@ -156,6 +169,15 @@ class LocalTarget(BaseTarget):
 
     def agent_argv(self, verb: str) -> list[str]:
         return [self.python, "-m", "orchestrator.agent", verb]
+
+    def attach_argv(self, session: str, read_only: bool = False) -> list[str]:
+        """The argv that attaches this terminal to `session` here (inside tmux already: switch the client,
+        since tmux refuses to nest)."""
+        import os
+
+        if os.environ.get("TMUX") and not read_only:
+            return ["tmux", "switch-client", "-t", "=" + session]
+        return tmux_attach_argv(session, read_only)
 
     def _run_agent(self, verb, payload, stream, timeout):
         from orchestrator.bundle import source_root
@@ -187,6 +209,69 @@ class ContainerTarget(BaseTarget):
         from orchestrator.quoting import with_env
 
         return with_env(self.env(), argv)
+
+    def attach_argv(self, session: str, read_only: bool = False) -> list[str]:
+        """`ssh -t HOST 'pct exec CT --keep-env 0 -- env -i HOME=.. PATH=.. TERM=.. tmux attach ...'`: the real
+        OpenSSH client with a tty (an interactive terminal is what paramiko's no-pty channels are not for),
+        with the settings this target's connection uses; an unknown or changed host key is refused.
+
+        TERM travels inside the command: `--keep-env 0` drops it, and tmux refuses to attach without one.
+        """
+        import os
+
+        from orchestrator.quoting import with_env
+
+        inner = with_env({**self.env(), "TERM": os.environ.get("TERM") or "xterm-256color"},
+                         tmux_attach_argv(session, read_only))
+        return self.transport.interactive_argv(inner)
+
+    # ---- what doctor asks of the host, around the container (each a host-side pct call)
+
+    def container_state(self) -> str:
+        """`running`, `stopped`, ... from `pct status CTID`.
+
+        Raises:
+            ConnectError / HostKeyError: the host cannot be reached; ContainerMissing and other PctErrors.
+        """
+        return self.transport.status()
+
+    def container_config(self) -> str:
+        """The text of `pct config CTID` (readable while the container is stopped too).
+
+        Raises:
+            PctError: pct failed.
+        """
+        return self.transport.pct_command("config").stdout.decode("utf-8", errors="replace")
+
+    def pct_line(self, verb: str, *args: str) -> str:
+        """`pct VERB CTID args` on the host as the user pastes it (`ssh ... pct ...`)."""
+        from orchestrator.transport.pct import pct_argv
+
+        t = self.transport
+        return t.host_command_line(pct_argv(t.ctid, verb, *args, pct=t.pct, sudo=t.sudo))
+
+    def pct_words(self, verb: str) -> str:
+        """`pct VERB CTID` as it runs on the host (no ssh): what a check reports as answered."""
+        from orchestrator.quoting import render
+        from orchestrator.transport.pct import pct_argv
+
+        t = self.transport
+        return render(pct_argv(t.ctid, verb, pct=t.pct, sudo=t.sudo))
+
+    def pct_list_line(self) -> str:
+        """`pct list` on the host as the user pastes it (it lists the containers)."""
+        from orchestrator.transport.pct import pct_prefix
+
+        t = self.transport
+        return t.host_command_line([*pct_prefix(t.pct, t.sudo), "list"])
+
+    def host_line(self, argv: list[str]) -> str:
+        """A host argv as the user pastes it: ssh with the inventory's settings."""
+        return self.transport.host_command_line(argv)
+
+    def command_line(self, argv: list[str]) -> str:
+        """`argv` inside the container as the user pastes it (`ssh ... pct exec CT -- argv`)."""
+        return self.transport.command_line(argv)
 
     def agent_argv(self, verb: str, inline: int = 0) -> list[str]:
         """The agent's argv; `inline` > 0 means the bundle's bytes precede the request on stdin."""

@@ -238,61 +238,54 @@ def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> Docto
 
 
 def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport:
-    from orchestrator.target import container_target, ssh_transport
-    from orchestrator.transport.pct import pct_argv, pct_prefix
+    from orchestrator.target import open_target
 
     host = inv.host(spec.host)
     rep = DoctorReport(name, "container")
     ctid = spec.ctid
-    ssh = ssh_transport(host, spec.host)
-    target = container_target(name, spec, host, ssh)
-    pct = target.transport  # PctTransport over `ssh`: host-side pct calls and the one pct exec share it
-    on_host = pct.host_command_line  # a host argv as the user pastes it: ssh with the inventory's settings
+    # Host-side pct calls and the one pct exec share the target's one SSH connection.
+    target = open_target(inv, name)
     try:
         # 1. ssh + host key + pct: the first host-side call (`pct status`) proves all three.
         try:
-            state = pct.status()
+            state = target.container_state()
         except HostKeyError as exc:
             rep.add("ssh reachable", SKIP, f"{host.ssh} answered, but its host key is not trusted")
             rep.add("host key known", FAIL, exc.message, exc.fix or f"dflashctl trust {spec.host}")
             return _skip_rest(rep, "needs ssh")
         except ConnectError as exc:
             rep.add("ssh reachable", FAIL, exc.message,
-                    exc.fix or f"check that `{on_host(['true'])}` works (hosts.{spec.host} in {inv.source})")
+                    exc.fix or f"check that `{target.host_line(['true'])}` works (hosts.{spec.host} in {inv.source})")
             return _skip_rest(rep, "needs ssh")
         except ContainerMissing as exc:
             _ssh_ok(rep, host)
-            rep.add("pct present", OK, f"{render(pct_argv(ctid, 'status', pct=host.pct, sudo=host.sudo))} answered")
+            rep.add("pct present", OK, f"{target.pct_words('status')} answered")
             rep.add("container running", FAIL, exc.message,
-                    f"fix targets.{name}.ctid in {inv.source} "
-                    f"(`{on_host([*pct_prefix(host.pct, host.sudo), 'list'])}` lists the containers)")
+                    f"fix targets.{name}.ctid in {inv.source} (`{target.pct_list_line()}` lists the containers)")
             return _skip_rest(rep, "needs the container")
         except PctError as exc:  # PctNotFound, SudoRequired, or pct failing some other way
             _ssh_ok(rep, host)
             rep.add("pct present", FAIL, exc.message, exc.fix)
             return _skip_rest(rep, "needs pct")
         _ssh_ok(rep, host)
-        rep.add("pct present", OK, f"{render(pct_argv(ctid, 'status', pct=host.pct, sudo=host.sudo))} answered")
+        rep.add("pct present", OK, f"{target.pct_words('status')} answered")
 
         # 2. container state (host side).
         running = state == "running"
         if running:
             rep.add("container running", OK, f"CT {ctid}: {state}")
         else:
-            rep.add("container running", FAIL, f"CT {ctid} is {state}",
-                    on_host(pct_argv(ctid, "start", pct=host.pct, sudo=host.sudo)))
+            rep.add("container running", FAIL, f"CT {ctid} is {state}", target.pct_line("start"))
 
         # 3 and 4 at once over the one SSH connection (each pct call pays pct's Perl start-up):
         # the GPU devices in the container config (host side; readable while stopped too) and, when the
         # container runs, everything inside it: ONE pct exec (the agent ping).
         with ThreadPoolExecutor(max_workers=1) as pool:
-            config = pool.submit(_pct_config, pct)
+            config = pool.submit(_pct_config, target)
             inside = DoctorReport(name, "container")
             if running:
-                _ping(inside, target, "container", pct.command_line, min_free_gib,
-                      _venv_profile(inv, spec))
-            _gpu_device_check(rep, config.result(), ctid,
-                              lambda *a: on_host(pct_argv(ctid, *a, pct=host.pct, sudo=host.sudo)))
+                _ping(inside, target, "container", target.command_line, min_free_gib, _venv_profile(inv, spec))
+            _gpu_device_check(rep, config.result(), ctid, target.pct_line)
         rep.checks.extend(inside.checks)
         rep.ping = inside.ping
         if not running:
@@ -302,10 +295,10 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
         target.close()
 
 
-def _pct_config(pct) -> str | PctError:
+def _pct_config(target) -> str | PctError:
     """`pct config CTID` text, or the PctError it raised (returned, to be reported in order)."""
     try:
-        return pct.pct_command("config").stdout.decode("utf-8", errors="replace")
+        return target.container_config()
     except PctError as exc:
         return exc
 

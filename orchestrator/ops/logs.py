@@ -262,20 +262,6 @@ class _Follower:
                 self.on_match(match)
 
 
-def _abort(target) -> None:
-    """Cut the current exec: closing the SSH connection ends the channel (the next exec reconnects).
-    A local target has nothing to cut."""
-    transport = getattr(target, "transport", None)
-    for name in ("abort", "close"):
-        fn = getattr(transport, name, None)
-        if callable(fn):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - best effort: the connection is being dropped anyway
-                pass
-            return
-
-
 def _transient(exc: BaseException) -> bool:
     """Whether a failed tail exec is worth a reconnect (a dead connection) rather than an error to show."""
     from orchestrator.errors import HostKeyError
@@ -375,7 +361,7 @@ def follow(
             while not done.wait(min(1.0, heartbeat_timeout / 4)):
                 if time.monotonic() - st.last_event > heartbeat_timeout or st.failure is not None:
                     stalled.set()
-                    _abort(target)
+                    target.abort()
                     return
 
         dog = threading.Thread(target=watchdog, name="tail-watchdog", daemon=True)

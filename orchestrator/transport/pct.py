@@ -201,6 +201,19 @@ class PctTransport:
         """`argv` inside the container as the user pastes it: `pct exec CT -- argv` on the host."""
         return self.host_command_line(pct_exec_argv(self.ctid, argv, self.pct, self.sudo))
 
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        """The OpenSSH client argv (with a tty) that runs `argv` in the container for a person at a terminal:
+        `ssh -t HOST 'pct exec CT --keep-env 0 -- argv'`, through the parent's settings (SSHTransport.openssh_argv:
+        an unknown or changed host key refused, never asked about).
+
+        Raises:
+            UserError: the parent is not an SSH connection (a container reached from its own host).
+        """
+        openssh = getattr(self.parent, "openssh_argv", None)
+        if openssh is None:
+            raise UserError(f"no interactive ssh to container {self.ctid}: it is reached without ssh")
+        return openssh(pct_exec_argv(self.ctid, argv, self.pct, self.sudo), tty=True, strict=True)
+
     def pct_command(self, verb: str, *args: str, timeout: float | None = 120) -> Result:
         """Run `pct VERB CTID args...` on the host (status/start/stop/config).
 

@@ -317,67 +317,66 @@ class SSHTransport:
         except Exception as exc:
             chan.close()
             raise ConnectError(f"cannot start a command on {self.label}: {exc}") from exc
-
-        out: list[bytes] = []
-        err: list[bytes] = []
-        out_tail, err_tail = bytearray(), bytearray()
-        errors: list[BaseException] = []
-        threads = [
-            threading.Thread(target=_pump, args=(chan, chan.recv, out, on_stdout, out_tail, errors), daemon=True),
-            threading.Thread(target=_pump, args=(chan, chan.recv_stderr, err, on_stderr, err_tail, errors), daemon=True),
-        ]
-        # stdin on its own thread: a command that writes a lot before reading would otherwise block us.
-        threads.append(threading.Thread(target=_feed, args=(chan, stdin), daemon=True))
-        for t in threads:
-            t.start()
+        io = _ChannelIO(chan, stdin, on_stdout, on_stderr)
 
         def result(code: int) -> Result:
-            return Result(argv, code, b"".join(out), b"".join(err), self.name, time.monotonic() - start,
-                          bytes(err_tail))
+            return Result(argv, code, b"".join(io.out), b"".join(io.err), self.name, time.monotonic() - start,
+                          bytes(io.err_tail))
 
         try:
-            for t in threads[:2]:
-                while t.is_alive():
-                    t.join(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic())))
-                    if deadline is not None and time.monotonic() >= deadline and t.is_alive():
-                        chan.close()
-                        for other in threads:
-                            other.join(2)
-                        raise CommandTimeout(f"command timed out after {timeout:.0f} s on {self.label}",
-                                             result=result(-9))
-            # Exit status last: both streams are at EOF, so it is there or arrives within the grace period.
-            grace_end = time.monotonic() + EXIT_STATUS_GRACE_S
-            if deadline is not None:
-                grace_end = min(grace_end, max(deadline, time.monotonic() + 1.0))
-            while not chan.exit_status_ready():
-                if time.monotonic() >= grace_end:
-                    chan.close()
-                    raise CommandTimeout(f"no exit status from {self.label} after the output ended", result=result(-9))
-                time.sleep(0.002)
-            code = chan.recv_exit_status()
+            self._wait_output(io, deadline, timeout, result)
+            code = self._exit_status(chan, deadline, result)
         except KeyboardInterrupt:
             chan.close()
             raise
         finally:
-            threads[2].join(1)
+            io.feeder.join(1)
         chan.close()
-        if errors:
+        return result(self._final_code(io, chan, code))
+
+    def _wait_output(self, io: "_ChannelIO", deadline: float | None, timeout: float | None, result) -> None:
+        """Until both streams are at EOF; past the deadline the channel is closed and CommandTimeout raised."""
+        for t in io.pumps:
+            while t.is_alive():
+                t.join(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic())))
+                if deadline is not None and time.monotonic() >= deadline and t.is_alive():
+                    io.chan.close()
+                    for other in (*io.pumps, io.feeder):
+                        other.join(2)
+                    raise CommandTimeout(f"command timed out after {timeout:.0f} s on {self.label}",
+                                         result=result(-9))
+
+    def _exit_status(self, chan, deadline: float | None, result) -> int:
+        """The exit status, read last: both streams are at EOF, so it is there or arrives within the grace."""
+        grace_end = time.monotonic() + EXIT_STATUS_GRACE_S
+        if deadline is not None:
+            grace_end = min(grace_end, max(deadline, time.monotonic() + 1.0))
+        while not chan.exit_status_ready():
+            if time.monotonic() >= grace_end:
+                chan.close()
+                raise CommandTimeout(f"no exit status from {self.label} after the output ended", result=result(-9))
+            time.sleep(0.002)
+        return chan.recv_exit_status()
+
+    def _final_code(self, io: "_ChannelIO", chan, code: int) -> int:
+        """The command's exit code; a broken connection (a stream error, or no status because the connection
+        died) is a ConnectError, since whether the command finished is unknown."""
+        if io.errors:
             import paramiko
 
-            if isinstance(errors[0], (EOFError, OSError, paramiko.SSHException)):
-                raise ConnectError(f"the SSH connection to {self.label} broke during a command: {errors[0]}",
+            if isinstance(io.errors[0], (EOFError, OSError, paramiko.SSHException)):
+                raise ConnectError(f"the SSH connection to {self.label} broke during a command: {io.errors[0]}",
                                    fix="check the network; the command may or may not have finished on the host")
-            raise errors[0]
+            raise io.errors[0]
         if code == -1 and self._connection_died(chan):
-            # The connection itself died: whether the command finished is unknown.
             raise ConnectError(
                 f"the SSH connection to {self.label} was lost during a command (no exit status)",
                 fix="check the network and the host; the command may or may not have finished there",
             )
         if code == -1:
-            err_tail.extend(b"\n[dflashctl: the remote command ended without an exit status (killed by a signal?)]\n")
-            code = NO_EXIT_STATUS
-        return result(code)
+            io.err_tail.extend(b"\n[dflashctl: the remote command ended without an exit status (killed by a signal?)]\n")
+            return NO_EXIT_STATUS
+        return code
 
     @staticmethod
     def _connection_died(chan, wait: float = 1.0) -> bool:
@@ -420,6 +419,27 @@ def _gcm_first_transport(sock, **kwargs):
     gcm = tuple(c for c in ciphers if "-gcm" in c)
     options.ciphers = gcm + tuple(c for c in ciphers if c not in gcm)
     return transport
+
+
+class _ChannelIO:
+    """A started command's streams: stdout and stderr drained on their own threads (no window deadlock with
+    large outputs), stdin fed on a third (a command that writes a lot before reading must not block us)."""
+
+    def __init__(self, chan, stdin: bytes | None, on_stdout: StreamCallback | None, on_stderr: StreamCallback | None):
+        self.chan = chan
+        self.out: list[bytes] = []
+        self.err: list[bytes] = []
+        self.out_tail, self.err_tail = bytearray(), bytearray()
+        self.errors: list[BaseException] = []
+        self.pumps = (
+            threading.Thread(target=_pump, args=(chan, chan.recv, self.out, on_stdout, self.out_tail, self.errors),
+                             daemon=True),
+            threading.Thread(target=_pump, args=(chan, chan.recv_stderr, self.err, on_stderr, self.err_tail,
+                                                 self.errors), daemon=True),
+        )
+        self.feeder = threading.Thread(target=_feed, args=(chan, stdin), daemon=True)
+        for t in (*self.pumps, self.feeder):
+            t.start()
 
 
 def _pump(chan, recv, sink: list[bytes], callback: StreamCallback | None, tail: bytearray, errors: list) -> None:

@@ -22,7 +22,7 @@ from orchestrator.agent import runs as agent_runs
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.errors import UserError
 from orchestrator.inventory import check_name, check_run_ref
-from orchestrator.ops.attach import tmux_attach_argv
+from orchestrator.target import tmux_attach_argv
 
 FIRST = string.ascii_letters + string.digits
 ALLOWED = FIRST + "._-"

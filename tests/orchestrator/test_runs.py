@@ -14,7 +14,9 @@ import pytest
 
 from orchestrator import records
 from orchestrator.errors import RunNotFound
-from orchestrator.ops.attach import container_attach_argv, tmux_attach_argv
+from orchestrator.target import ContainerTarget, tmux_attach_argv
+from orchestrator.transport.pct import PctTransport
+from orchestrator.transport.ssh import SSHTransport
 from orchestrator.ops.runs import diff, list_runs
 
 
@@ -94,9 +96,10 @@ def test_flatten_dotted_paths():
 def test_attach_argv_local_and_container_golden():
     assert tmux_attach_argv("dflash-x") == ["tmux", "attach-session", "-t", "=dflash-x"]
     assert tmux_attach_argv("dflash-x", read_only=True) == ["tmux", "attach-session", "-r", "-t", "=dflash-x"]
-    argv = container_attach_argv(hostname="pve1.lan", ctid=200, session="dflash-exp", read_only=True,
-                                 env={"HOME": "/root", "PATH": "/usr/bin:/bin"}, port=2222, user="root",
-                                 identity_file="/k/id", known_hosts="/k/kh")
+    ssh = SSHTransport("pve1.lan", port=2222, user="root", identity_file="/k/id", known_hosts="/k/kh")
+    ct = ContainerTarget(name="ct", workdir="/w", transport=PctTransport(ssh, 200))
+    ct.env = lambda: {"HOME": "/root", "PATH": "/usr/bin:/bin"}  # the golden line below, short
+    argv = ct.attach_argv("dflash-exp", read_only=True)  # builds the argv; connects to nothing
     assert argv[:-1] == ["ssh", "-t", "-p", "2222", "-i", "/k/id", "-o", "IdentitiesOnly=yes",
                          "-o", "UserKnownHostsFile=/k/kh", "-o", "StrictHostKeyChecking=yes", "root@pve1.lan"]
     term = argv[-1].split("TERM=", 1)[1].split()[0]
@@ -114,11 +117,8 @@ def test_ssh_argv_quotes_the_remote_command_once():
 
 
 def test_attach_builds_the_argv_from_a_container_target(fake_pve):
-    from orchestrator.ops.attach import attach_argv
-    from orchestrator.target import ContainerTarget
-
     t = ContainerTarget(name="ct", workdir="/w", transport=fake_pve.pct_transport(200))
-    argv = attach_argv(t, "dflash-e")
+    argv = t.attach_argv("dflash-e")
     assert argv[-2] == f"{fake_pve.user}@{fake_pve.hostname}" and "StrictHostKeyChecking=yes" in argv
     assert f"UserKnownHostsFile={fake_pve.known_hosts}" in argv and argv[-1].startswith("pct exec 200 --keep-env 0 -- env -i HOME=/root")
 
