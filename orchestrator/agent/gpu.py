@@ -1,4 +1,6 @@
-"""GPU query inside the target: `nvidia-smi --query-gpu=index,uuid,memory.used,memory.total
+"""GPUs inside the target: the query, which are busy, the preflight refusal and the wait for release.
+
+The query: `nvidia-smi --query-gpu=index,uuid,memory.used,memory.total
 --format=csv,noheader,nounits`, parsed defensively. Standard library only (runs under a bare python3).
 
 NVIDIA does not promise a stable nvidia-smi output format, so every line is checked: a line that does not
@@ -11,6 +13,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
+
+from orchestrator.agent.protocol import AgentFailure
 
 QUERY = ["--query-gpu=index,uuid,memory.used,memory.total", "--format=csv,noheader,nounits"]
 # Where nvidia-smi lives when PATH is minimal (pct resets PATH to /sbin:/bin:/usr/sbin:/usr/bin).
@@ -96,3 +101,80 @@ def query_gpus(timeout: float = 30.0) -> tuple[list[dict], str | None]:
     if not gpus:
         return [], f"{exe} lists no GPUs"
     return gpus, None
+
+
+def busy_gpus(gpus: list[int], threshold_mib: int) -> tuple[list[dict], list[dict], str | None]:
+    """Which of `gpus` are not idle.
+
+    Returns:
+        (busy, seen, reason): busy = [{index, used_mib, total_mib, uuid}] using >= threshold (or missing from
+        nvidia-smi, or unreadable); seen = every GPU nvidia-smi listed; reason = why the query fell short.
+    """
+    seen, reason = query_gpus()
+    by_index = {g["index"]: g for g in seen}
+    busy = []
+    for i in gpus:
+        g = by_index.get(i)
+        if g is None:
+            busy.append({"index": i, "used_mib": None, "total_mib": None, "uuid": None, "problem": "not listed by nvidia-smi"})
+        elif g.get("used_mib") is None:
+            busy.append({**g, "problem": "memory.used not reported"})
+        elif g["used_mib"] >= threshold_mib:
+            busy.append(g)
+    return busy, seen, reason
+
+
+def describe_busy(busy: list[dict], threshold_mib: int) -> str:
+    """'GPU 5 uses 30000 MiB of 81920, GPU 6 is not listed by nvidia-smi' (limit 1024 MiB)."""
+    parts = []
+    for g in busy:
+        if g.get("problem"):
+            parts.append(f"GPU {g['index']} {g['problem']}")
+        else:
+            parts.append(f"GPU {g['index']} uses {g['used_mib']} MiB of {g.get('total_mib')}")
+    return ", ".join(parts) + f" (idle means under {threshold_mib} MiB)"
+
+
+def wait_gpus_idle(gpus: list[int], threshold_mib: int, timeout_s: float, emit) -> list[dict]:
+    """Poll nvidia-smi until every GPU of `gpus` is idle; return the last reading.
+
+    Raises:
+        AgentFailure("GpuBusy"): still busy after timeout_s (names each GPU and its MiB).
+    """
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        busy, seen, reason = busy_gpus(gpus, threshold_mib)
+        if not busy:
+            return seen
+        if time.monotonic() >= deadline:
+            raise AgentFailure(
+                "GpuBusy",
+                "GPUs not released after the old run stopped: " + describe_busy(busy, threshold_mib)
+                + (f"; {reason}" if reason else ""),
+                fix="find the holder with `nvidia-smi` in the target and end it",
+                data={"busy": busy, "threshold_mib": threshold_mib},
+            )
+        if not announced:
+            emit.progress("gpus", "waiting for GPUs to be released: " + describe_busy(busy, threshold_mib))
+            announced = True
+        time.sleep(0.5)
+
+
+def preflight_gpus(gpus: list[int], threshold_mib: int) -> list[dict]:
+    """Every GPU nvidia-smi lists, when all of `gpus` are idle (an empty list: no GPUs asked for).
+
+    Raises:
+        AgentFailure("GpuBusy"): names each busy GPU and its MiB.
+    """
+    if not gpus:
+        return []
+    busy, seen, reason = busy_gpus(gpus, threshold_mib)
+    if busy:
+        raise AgentFailure(
+            "GpuBusy",
+            "GPUs of this experiment are busy: " + describe_busy(busy, threshold_mib) + (f"; {reason}" if reason else ""),
+            fix="stop what holds them (`dflashctl status` shows runs), or change the experiment's layout",
+            data={"busy": busy, "threshold_mib": threshold_mib, "gpus": seen},
+        )
+    return seen

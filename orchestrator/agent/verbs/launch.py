@@ -31,10 +31,10 @@ import sys
 from pathlib import Path
 
 from orchestrator import assets, ownlines
-from orchestrator.agent import claims, runs, tmuxctl
+from orchestrator.agent import claims, gpu, runs, tmuxctl
 from orchestrator.agent import resume
 from orchestrator.agent import warmup as warmups
-from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.protocol import AgentFailure, need
 from orchestrator.agent.verbs import stop as stopverb
 from orchestrator.quoting import render, render_line
 
@@ -45,10 +45,7 @@ _DROP_ENV = ("TMUX", "TMUX_PANE")
 
 
 def _need(request: dict, key: str, kind: type):
-    value = request.get(key)
-    if not isinstance(value, kind):
-        raise AgentFailure("BadRequest", f"launch request: {key!r} must be {kind.__name__}, got {value!r}")
-    return value
+    return need(request, key, kind, "launch")
 
 
 def _check_env(env: dict) -> dict[str, str]:
@@ -135,20 +132,6 @@ def _preflight_session(name: str, experiment: str, replace: bool) -> dict | None
             data={"session": name, "run_id": rid},
         )
     return s
-
-
-def _preflight_gpus(gpus: list[int], threshold: int) -> list[dict]:
-    if not gpus:
-        return []
-    busy, seen, reason = stopverb.busy_gpus(gpus, threshold)
-    if busy:
-        raise AgentFailure(
-            "GpuBusy",
-            "GPUs of this experiment are busy: " + stopverb.describe_busy(busy, threshold) + (f"; {reason}" if reason else ""),
-            fix="stop what holds them (`dflashctl status` shows runs), or change the experiment's layout",
-            data={"busy": busy, "threshold_mib": threshold, "gpus": seen},
-        )
-    return seen
 
 
 def _preflight_driver(workdir: str, request: dict, gpus: list[int], emit) -> None:
@@ -326,7 +309,7 @@ def run(request: dict, emit) -> dict:
                                  float(request.get("claim_wait_s", claims.DEFAULT_WAIT_S)))
             emit.progress("claim", f"claimed GPUs {gpus} for run {run_id}")
         _preflight_driver(workdir, request, gpus, emit)
-        seen = _preflight_gpus(gpus, threshold)
+        seen = gpu.preflight_gpus(gpus, threshold)
         if gpus:
             emit.progress("gpus", f"GPUs {gpus} idle (under {threshold} MiB)")
         fingerprint = _fingerprint(workdir, request, emit)
@@ -367,7 +350,7 @@ def _clear_session(request: dict, workdir: str, session: str, experiment: str, r
     else:  # a session we did not start (no run id): end it the blunt way
         tmuxctl.kill_session(session)
     if request.get("gpus"):
-        stopverb.wait_gpus_idle([int(g) for g in request["gpus"]], threshold,
+        gpu.wait_gpus_idle([int(g) for g in request["gpus"]], threshold,
                                 float(request.get("release_timeout_s", 120)), emit)
     return replaced, stopped
 
@@ -496,7 +479,7 @@ def _plan(request, workdir, run_id, session, threshold, replace, emit) -> dict:
         taken = claims.held(workdir, gpus)
         if taken:
             raise claims.refusal(taken)  # as the real launch would after its wait, without waiting
-        _preflight_gpus(gpus, threshold)
+        gpu.preflight_gpus(gpus, threshold)
     fingerprint = _fingerprint(workdir, request, emit)
     run_dir = runs.runs_root(workdir) / run_id
     request = {**request, "gpus": gpus}

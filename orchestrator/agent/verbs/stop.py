@@ -18,7 +18,7 @@ import os
 import signal
 import time
 
-from orchestrator.agent import runs, tmuxctl
+from orchestrator.agent import gpu, runs, tmuxctl
 from orchestrator.agent.protocol import AgentFailure
 
 DEFAULT_GRACE_S = 20.0
@@ -107,66 +107,6 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit, requested_by: dict
     }
 
 
-def busy_gpus(gpus: list[int], threshold_mib: int) -> tuple[list[dict], list[dict], str | None]:
-    """Which of `gpus` are not idle.
-
-    Returns:
-        (busy, seen, reason): busy = [{index, used_mib, total_mib, uuid}] using >= threshold (or missing from
-        nvidia-smi, or unreadable); seen = every GPU nvidia-smi listed; reason = why the query fell short.
-    """
-    from orchestrator.agent.gpu import query_gpus
-
-    seen, reason = query_gpus()
-    by_index = {g["index"]: g for g in seen}
-    busy = []
-    for i in gpus:
-        g = by_index.get(i)
-        if g is None:
-            busy.append({"index": i, "used_mib": None, "total_mib": None, "uuid": None, "problem": "not listed by nvidia-smi"})
-        elif g.get("used_mib") is None:
-            busy.append({**g, "problem": "memory.used not reported"})
-        elif g["used_mib"] >= threshold_mib:
-            busy.append(g)
-    return busy, seen, reason
-
-
-def describe_busy(busy: list[dict], threshold_mib: int) -> str:
-    """'GPU 5 uses 30000 MiB of 81920, GPU 6 is not listed by nvidia-smi' (limit 1024 MiB)."""
-    parts = []
-    for g in busy:
-        if g.get("problem"):
-            parts.append(f"GPU {g['index']} {g['problem']}")
-        else:
-            parts.append(f"GPU {g['index']} uses {g['used_mib']} MiB of {g.get('total_mib')}")
-    return ", ".join(parts) + f" (idle means under {threshold_mib} MiB)"
-
-
-def wait_gpus_idle(gpus: list[int], threshold_mib: int, timeout_s: float, emit) -> list[dict]:
-    """Poll nvidia-smi until every GPU of `gpus` is idle; return the last reading.
-
-    Raises:
-        AgentFailure("GpuBusy"): still busy after timeout_s (names each GPU and its MiB).
-    """
-    deadline = time.monotonic() + timeout_s
-    announced = False
-    while True:
-        busy, seen, reason = busy_gpus(gpus, threshold_mib)
-        if not busy:
-            return seen
-        if time.monotonic() >= deadline:
-            raise AgentFailure(
-                "GpuBusy",
-                "GPUs not released after the old run stopped: " + describe_busy(busy, threshold_mib)
-                + (f"; {reason}" if reason else ""),
-                fix="find the holder with `nvidia-smi` in the target and end it",
-                data={"busy": busy, "threshold_mib": threshold_mib},
-            )
-        if not announced:
-            emit.progress("gpus", "waiting for GPUs to be released: " + describe_busy(busy, threshold_mib))
-            announced = True
-        time.sleep(0.5)
-
-
 def run(request: dict, emit) -> dict:
     workdir = request["workdir"]
     run_id = request.get("run_id")
@@ -176,7 +116,7 @@ def run(request: dict, emit) -> dict:
                       request.get("requested_by"))
     gpus = [int(g) for g in request.get("gpus") or []]
     if gpus:
-        result["gpus"] = wait_gpus_idle(
+        result["gpus"] = gpu.wait_gpus_idle(
             gpus, int(request.get("gpu_idle_mib", 1024)), float(request.get("release_timeout_s", 120)), emit
         )
     return result

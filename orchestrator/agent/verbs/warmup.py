@@ -19,18 +19,17 @@ import os
 import socket
 from pathlib import Path
 
-from orchestrator.agent import claims, runs
+from orchestrator.agent import claims, gpu, runs
 from orchestrator.agent import warmup as warmups
-from orchestrator.agent.protocol import AgentFailure
-from orchestrator.agent.verbs.launch import _need, _preflight_gpus
+from orchestrator.agent.protocol import AgentFailure, need
 
 _DROP_ENV = ("TMUX", "TMUX_PANE", "CUDA_VISIBLE_DEVICES")
 
 
 def run(request: dict, emit) -> dict:
-    workdir = _need(request, "workdir", str)
-    experiment = runs.check_name("experiment", _need(request, "experiment", str))
-    config = _need(request, "config", dict)
+    workdir = need(request, "workdir", str, "warmup")
+    experiment = runs.check_name("experiment", need(request, "experiment", str, "warmup"))
+    config = need(request, "config", dict, "warmup")
     layout = request.get("layout") or config.get("layout") or {}
     drafters = [int(g) for g in layout.get("drafter_gpus") or []]
     targets: list[int | None] = list(drafters) or [None]  # a CPU layout: one warm-up on the CPU
@@ -51,7 +50,7 @@ def run(request: dict, emit) -> dict:
                                  float(request.get("claim_wait_s", claims.DEFAULT_WAIT_S)))
         threshold = int(request.get("gpu_idle_mib", 1024))
         if drafters:
-            _preflight_gpus(drafters, threshold)
+            gpu.preflight_gpus(drafters, threshold)
             emit.progress("gpus", f"drafter GPUs {drafters} idle (under {threshold} MiB)")
         out = Path(workdir) / "warmup" / experiment
         out.mkdir(parents=True, exist_ok=True)
