@@ -1,9 +1,5 @@
-"""`stop`: end a run gracefully (SIGINT, then SIGTERM after a grace period, then SIGKILL) and optionally
-wait until its GPUs are released. Also used by `launch --replace` in the same agent call.
-
-Request: {workdir, run_id, grace_s: 20, gpus: [..], gpu_idle_mib: 1024, release_timeout_s: 120,
-          requested_by: {by: "user@workstation", via: "dflashctl stop"}}
-Result:  {run_id, signals: ["SIGINT", ...], state, exit: {...} | null, already_ended: bool, gpus: [...]}
+"""Ending a run gracefully (SIGINT, then SIGTERM after a grace period, then SIGKILL): the `stop` verb and
+`launch --replace` (in the same agent call) both stop a run with stop_run.
 
 Before its first signal a stop writes runs/<id>/stop.json ({by, via, at}); start_training.sh copies it into
 exit.json as "stopped", so the run's state is "stopped", not failed (a SIGINT ends most commands with 130).
@@ -18,7 +14,7 @@ import os
 import signal
 import time
 
-from orchestrator.agent import gpu, runs, tmuxctl
+from orchestrator.agent import runs, tmuxctl
 from orchestrator.agent.protocol import AgentFailure
 
 DEFAULT_GRACE_S = 20.0
@@ -105,18 +101,3 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit, requested_by: dict
         "state": runs.state_of(exit_info, False, runs.stopped_by(ref, exit_info)),
         "session": session["name"] if session else None,
     }
-
-
-def run(request: dict, emit) -> dict:
-    workdir = request["workdir"]
-    run_id = request.get("run_id")
-    if not run_id:
-        raise AgentFailure("BadRequest", "stop needs a run_id")
-    result = stop_run(workdir, run_id, float(request.get("grace_s", DEFAULT_GRACE_S)), emit,
-                      request.get("requested_by"))
-    gpus = [int(g) for g in request.get("gpus") or []]
-    if gpus:
-        result["gpus"] = gpu.wait_gpus_idle(
-            gpus, int(request.get("gpu_idle_mib", 1024)), float(request.get("release_timeout_s", 120)), emit
-        )
-    return result

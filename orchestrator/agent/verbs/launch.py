@@ -31,11 +31,10 @@ import sys
 from pathlib import Path
 
 from orchestrator import assets, ownlines
-from orchestrator.agent import claims, gpu, runs, tmuxctl
+from orchestrator.agent import claims, gpu, runs, stopping, tmuxctl
 from orchestrator.agent import resume
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.protocol import AgentFailure, need
-from orchestrator.agent.verbs import stop as stopverb
 from orchestrator.quoting import render, render_line
 
 SCRIPT_NAME = "start_training.sh"
@@ -345,7 +344,7 @@ def _clear_session(request: dict, workdir: str, session: str, experiment: str, r
     emit.progress("stop", f"replacing run {replaced} in session {session}")
     if replaced:
         by = {"via": f"dflashctl launch {experiment} --replace", **(request.get("requested_by") or {})}
-        res = stopverb.stop_run(workdir, replaced, float(request.get("grace_s", stopverb.DEFAULT_GRACE_S)), emit, by)
+        res = stopping.stop_run(workdir, replaced, float(request.get("grace_s", stopping.DEFAULT_GRACE_S)), emit, by)
         stopped = (res.get("exit") or {}).get("stopped") if res.get("state") == "stopped" else None
     else:  # a session we did not start (no run id): end it the blunt way
         tmuxctl.kill_session(session)
