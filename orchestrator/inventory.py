@@ -532,11 +532,9 @@ def _check_references(inv: Inventory, lines: dict, source: str) -> list[str]:
             if not names.is_valid(name):
                 err((section, name), f"unsafe name: use 1-{names.NAME_MAX} characters from {names.RULE}")
 
-    from orchestrator.transport.ssh import is_ssh_word
-
     for name, h in inv.hosts.items():
         for key in ("ssh", "user"):
-            if getattr(h, key) is not None and not is_ssh_word(getattr(h, key)):
+            if getattr(h, key) is not None and not names.is_ssh_word(getattr(h, key)):
                 err(("hosts", name, key), f"{getattr(h, key)!r} cannot be given to ssh: no leading '-', no spaces")
 
     for name, t in inv.targets.items():

@@ -97,3 +97,9 @@ def session_name(experiment: str) -> str:
     """
     check("experiment", experiment)
     return SESSION_PREFIX + experiment.replace(".", "_")
+
+
+def is_ssh_word(value: str) -> bool:
+    """True when `value` can stand as an ssh destination or user: not empty, no leading '-' (ssh would read
+    an option), no whitespace or control character."""
+    return bool(value) and not value.startswith("-") and value.isprintable() and not any(c.isspace() for c in value)

@@ -340,7 +340,7 @@ def venv_torch(workdir: str, profile) -> dict:
 
     from orchestrator.agent import venvinfo
 
-    if venvinfo._profile_kind(profile) == "workstation":
+    if venvinfo.profile_kind(profile) == "workstation":
         try:
             torch_version = metadata.version("torch")
         except metadata.PackageNotFoundError:
@@ -356,7 +356,7 @@ def profile_lock(profile: dict | None) -> str | None:
     workstation profile (the running interpreter's torch), else its `lock` (the uv default `cuda`)."""
     from orchestrator.agent import venvinfo
 
-    if venvinfo._profile_kind(profile) == "workstation":
+    if venvinfo.profile_kind(profile) == "workstation":
         return None
     return (profile or {}).get("lock") or "cuda"
 

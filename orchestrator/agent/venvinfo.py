@@ -364,7 +364,7 @@ def _main_verify(args: list[str]) -> int:
 # ------------------------------------------------------------------------------------ fingerprint API
 
 
-def _profile_kind(profile) -> str:
+def profile_kind(profile) -> str:
     if not profile:  # no profile: the running interpreter
         return "workstation"
     kind = profile.get("kind") if isinstance(profile, dict) else getattr(profile, "kind", None)
@@ -440,9 +440,9 @@ def current_fingerprint(workdir: str, profile) -> dict:
         The fingerprint dict (contracts.md). For a uv profile without a usable current venv, a dict with
         `lock_hash: None` and `error` saying what is wrong and how to fix it.
     """
-    if _profile_kind(profile) == "workstation":
+    if profile_kind(profile) == "workstation":
         return workstation_fingerprint()
-    if _profile_kind(profile) == "system":
+    if profile_kind(profile) == "system":
         return system_fingerprint()
     current = Path(workdir) / "venvs" / "current"
     fix = "run `dflashctl rebuild-venv`"

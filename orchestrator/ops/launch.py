@@ -211,12 +211,40 @@ def launch(
     spec.validate()
     if resume is not None:
         check_run_ref(resume)
+    created = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    request = launch_request(spec, created=created, run_id=make_run_id(spec.experiment, spec.tag, now), cli=cli,
+                             replace=replace, grace_s=grace_s, release_timeout_s=release_timeout_s,
+                             dry_run=dry_run, resume=resume, warmup_device=warmup_device,
+                             claim_wait_s=claim_wait_s)
+    data = agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
+                           on_event=on_event, timeout=timeout)
+    result = LaunchResult(
+        run_id=data["run_id"],
+        run_dir=data["run_dir"],
+        session=data["session"],
+        target=spec.target,
+        experiment=spec.experiment,
+        command=data.get("command") or [],
+        gpus=data.get("gpus") or [],
+        replaced=data.get("replaced"),
+        dry_run=bool(data.get("dry_run")),
+        plan=data.get("plan"),
+        resumed_from=data.get("resumed_from"),
+    )
+    if record and not result.dry_run:
+        _record(spec, data, result, created)
+    return result
+
+
+def launch_request(spec: LaunchSpec, *, created: str, run_id: str, cli: str | None, replace: bool, grace_s: float,
+                   release_timeout_s: float, dry_run: bool, resume: str | None, warmup_device: str,
+                   claim_wait_s: float) -> dict[str, Any]:
+    """The launch verb's request to the agent (orchestrator/agent/verbs/launch.py reads it)."""
     from orchestrator.bundle import build_bundle
 
-    created = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    request: dict[str, Any] = {
+    return {
         "experiment": spec.experiment,
-        "run_id": make_run_id(spec.experiment, spec.tag, now),
+        "run_id": run_id,
         "tag": spec.tag,
         "target": spec.target,
         "kind": spec.kind,
@@ -240,47 +268,34 @@ def launch(
         "claim_wait_s": claim_wait_s,
         "requested_by": requested_by(f"dflashctl launch {spec.experiment} --replace"),
     }
-    data = agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
-                           on_event=on_event, timeout=timeout)
-    result = LaunchResult(
-        run_id=data["run_id"],
-        run_dir=data["run_dir"],
-        session=data["session"],
-        target=spec.target,
-        experiment=spec.experiment,
-        command=data.get("command") or [],
-        gpus=data.get("gpus") or [],
-        replaced=data.get("replaced"),
-        dry_run=bool(data.get("dry_run")),
-        plan=data.get("plan"),
-        resumed_from=data.get("resumed_from"),
-    )
-    if record and not result.dry_run:
-        from orchestrator.records import append_record
 
-        path = append_record({
-            "run_id": result.run_id,
-            "experiment": spec.experiment,
-            "tag": spec.tag,
-            "target": spec.target,
-            "kind": spec.kind,
-            # What actually ran: a resumed run uses the old run's config, and its layout's GPUs.
-            "config": (data.get("config") or spec.config) if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
-            "gpus": data.get("gpus") if data.get("gpus") is not None else spec.gpus,
-            "gpus_seen": data.get("gpus_seen") or [],
-            "env_fingerprint": data.get("env_fingerprint") or {},
-            "bundle_hash": data.get("bundle_hash"),
-            "run_dir": result.run_dir,
-            "created": created,
-            "replaced": result.replaced,
-            "resumed_from": result.resumed_from,
-        })
-        result.record_path = str(path)
-        if result.replaced and isinstance(data.get("replaced_stopped"), dict):
-            from orchestrator.records import record_stopped
 
-            record_stopped(result.replaced, data["replaced_stopped"])
-    return result
+def _record(spec: LaunchSpec, data: dict, result: LaunchResult, created: str) -> None:
+    """Append the launch to the workstation records (and the stop of the run it replaced)."""
+    from orchestrator.records import append_record
+
+    path = append_record({
+        "run_id": result.run_id,
+        "experiment": spec.experiment,
+        "tag": spec.tag,
+        "target": spec.target,
+        "kind": spec.kind,
+        # What actually ran: a resumed run uses the old run's config, and its layout's GPUs.
+        "config": (data.get("config") or spec.config) if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
+        "gpus": data.get("gpus") if data.get("gpus") is not None else spec.gpus,
+        "gpus_seen": data.get("gpus_seen") or [],
+        "env_fingerprint": data.get("env_fingerprint") or {},
+        "bundle_hash": data.get("bundle_hash"),
+        "run_dir": result.run_dir,
+        "created": created,
+        "replaced": result.replaced,
+        "resumed_from": result.resumed_from,
+    })
+    result.record_path = str(path)
+    if result.replaced and isinstance(data.get("replaced_stopped"), dict):
+        from orchestrator.records import record_stopped
+
+        record_stopped(result.replaced, data["replaced_stopped"])
 
 
 def launch_experiment(inv, experiment: str, *, target: str | None = None, tag: str | None = None,

@@ -283,19 +283,12 @@ def follow(
     offset: int = 0,
     tail: int | None = None,
     follow: bool = True,
-    on_line: Callable[[str], None] | None = None,
-    on_match: Callable[[Any], None] | None = None,
-    on_alert: Callable[[Any], None] | None = None,
-    on_status: Callable[[str], None] | None = None,
+    on_line: Callable[[str], None] | None = None, on_match: Callable[[Any], None] | None = None,
+    on_alert: Callable[[Any], None] | None = None, on_status: Callable[[str], None] | None = None,
     on_event: Callable[[dict], None] | None = None,
-    matcher=None,
-    health=None,
-    backoff: Backoff | None = None,
-    heartbeat: float = 2.0,
-    heartbeat_timeout: float | None = None,
-    baseline: bool = True,
-    sleep: Callable[[float], None] = time.sleep,
-    rng: random.Random | None = None,
+    matcher=None, health=None, backoff: Backoff | None = None,
+    heartbeat: float = 2.0, heartbeat_timeout: float | None = None, baseline: bool = True,
+    sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None,
 ) -> FollowOutcome:
     """Show (follow=False) or follow a run's log until it ends, reconnecting as needed.
 
@@ -306,11 +299,9 @@ def follow(
         offset: byte offset in train.log to start at (ignored when `tail` is given and offset is 0).
         tail: start at the last N complete lines.
         follow: False: print what is there and report the current state (one exec, no reconnect).
-        on_line: called with each log line (no newline), exactly once, in order.
-        on_match: called with each signature match (from `matcher.feed_line`).
-        on_alert: called with each monitor alert (from `health`).
-        on_status: called with human notes ("connection lost; reconnecting in 2.1 s").
-        on_event: called with every raw agent event (for --json).
+        on_line / on_match / on_alert / on_status / on_event: called with each log line (no newline;
+            exactly once, in order), signature match (`matcher.feed_line`), monitor alert (`health`), human
+            note ("connection lost; reconnecting in 2.1 s"), raw agent event (for --json).
         matcher: object with `feed_line(line) -> list[Match]` and optionally `finish() -> list[Match]`.
         health: object with `set_baseline(dict)`, `metrics(records)`, `heartbeat(event)`,
             `log_activity(offset)`, each returning a list of alerts (see LogHealth).
@@ -333,89 +324,25 @@ def follow(
     st.experiment = experiment
     if offset:
         st.log_offset = int(offset)
-    attempt = 0
-    reconnects = 0
-    down_since: float | None = None
-    last_error = ""
+    attempt, reconnects, down_since = 0, 0, None
     while True:
-        request: dict[str, Any] = {
-            "run_id": st.run_id,
-            "experiment": None if st.run_id else st.experiment,
-            "follow": follow,
-            "metrics": follow,
-            "metrics_offset": st.metrics_offset,
-            "heartbeat": heartbeat,
-            "baseline": baseline and st.baseline is None and follow,
-        }
-        if st.log_offset is None:
-            request["offset"] = 0
-            request["tail"] = tail
-        else:
-            request["offset"] = st.log_offset
-        st.progress = False
-        st.last_event = time.monotonic()
-        stalled = threading.Event()
-        done = threading.Event()
-
-        def watchdog() -> None:
-            while not done.wait(min(1.0, heartbeat_timeout / 4)):
-                if time.monotonic() - st.last_event > heartbeat_timeout or st.failure is not None:
-                    stalled.set()
-                    target.abort()
-                    return
-
-        dog = threading.Thread(target=watchdog, name="tail-watchdog", daemon=True)
-        if follow:
-            dog.start()
-        error: BaseException | None = None
-        result: dict | None = None
-        try:
-            result = target.agent("tail", request, on_event=st.handle, timeout=None)
-        except AgentError as exc:
-            if exc.agent_type == "RunNotFound":
-                raise RunNotFound(exc.message, fix=exc.fix) from None
-            error = exc
-        except (ConnectError, RemoteCommandError, EOFError, OSError) as exc:
-            error = exc
-        except Exception as exc:  # noqa: BLE001 - paramiko's own exceptions, classified below
-            if not _transient(exc):
-                raise
-            error = exc
-        finally:
-            done.set()
-        if st.failure is not None:
-            raise st.failure
-        if result is not None and not stalled.is_set():
-            st.finish_matcher()
-            state = str(result.get("state") or "running")
-            outcome = FollowOutcome(
-                run_id=result.get("run_id") or st.run_id, experiment=st.experiment, state=state,
-                exit=result.get("exit"), matches=st.matches, alerts=st.alerts, lines=st.lines,
-                reconnects=reconnects, offsets={"log": st.log_offset, "metrics": st.metrics_offset},
-                baseline=st.baseline,
-            )
-            if health is not None:
-                outcome.alerts.extend(health.finished(outcome) or [])
-            return outcome
+        request = _tail_request(st, follow=follow, tail=tail, heartbeat=heartbeat, baseline=baseline)
+        result, error, stalled = _tail_once(target, st, request, follow, heartbeat_timeout)
+        if result is not None and not stalled:
+            return _finished(st, result, reconnects, health)
         # The exec ended without a result: the connection dropped (or went silent and was cut).
-        if error is not None and not _transient(error) and not stalled.is_set():
+        if error is not None and not _transient(error) and not stalled:
             raise error
         if not follow:
             raise error if error is not None else ConnectError("the tail exec ended without a result")
-        last_error = "no heartbeat for %.0f s" % heartbeat_timeout if stalled.is_set() else str(error or "ended")
+        last_error = "no heartbeat for %.0f s" % heartbeat_timeout if stalled else str(error or "ended")
         now = time.monotonic()
         if st.progress:
             attempt, down_since = 0, None
         if down_since is None:
             down_since = now
         if now - down_since >= backoff.give_up_s:
-            st.finish_matcher()
-            return FollowOutcome(
-                run_id=st.run_id, experiment=st.experiment, state="lost", matches=st.matches, alerts=st.alerts,
-                lines=st.lines, reconnects=reconnects, baseline=st.baseline,
-                offsets={"log": st.log_offset, "metrics": st.metrics_offset},
-                error=f"connection lost for {now - down_since:.0f} s: {last_error.splitlines()[0] if last_error else ''}",
-            )
+            return _lost(st, reconnects, now - down_since, last_error)
         delay = min(backoff.delay(attempt, rng), max(0.0, backoff.give_up_s - (now - down_since)))
         if on_status is not None:
             on_status(f"connection lost ({last_error.splitlines()[0] if last_error else 'no detail'}); "
@@ -423,6 +350,94 @@ def follow(
         sleep(delay)
         attempt += 1
         reconnects += 1
+
+
+def _tail_request(st: _Follower, *, follow: bool, tail: int | None, heartbeat: float, baseline: bool) -> dict[str, Any]:
+    """The tail request of the next exec: from the byte after the last one delivered (the whole state in `st`)."""
+    request: dict[str, Any] = {
+        "run_id": st.run_id,
+        "experiment": None if st.run_id else st.experiment,
+        "follow": follow,
+        "metrics": follow,
+        "metrics_offset": st.metrics_offset,
+        "heartbeat": heartbeat,
+        "baseline": baseline and st.baseline is None and follow,
+    }
+    if st.log_offset is None:
+        request["offset"] = 0
+        request["tail"] = tail
+    else:
+        request["offset"] = st.log_offset
+    return request
+
+
+def _tail_once(target, st: _Follower, request: dict, follow: bool,
+               heartbeat_timeout: float) -> tuple[dict | None, BaseException | None, bool]:
+    """One tail exec, its events handled by `st`: (result or None, the error that ended it, whether the
+    watchdog cut it for silence). A watchdog cuts the exec (Target.abort) after `heartbeat_timeout` s
+    without any event, or when the event handling failed.
+
+    Raises:
+        RunNotFound; any error that is not a dropped connection; the event handling's own failure.
+    """
+    st.progress = False
+    st.last_event = time.monotonic()
+    stalled = threading.Event()
+    done = threading.Event()
+
+    def watchdog() -> None:
+        while not done.wait(min(1.0, heartbeat_timeout / 4)):
+            if time.monotonic() - st.last_event > heartbeat_timeout or st.failure is not None:
+                stalled.set()
+                target.abort()
+                return
+
+    if follow:
+        threading.Thread(target=watchdog, name="tail-watchdog", daemon=True).start()
+    error: BaseException | None = None
+    result: dict | None = None
+    try:
+        result = target.agent("tail", request, on_event=st.handle, timeout=None)
+    except AgentError as exc:
+        if exc.agent_type == "RunNotFound":
+            raise RunNotFound(exc.message, fix=exc.fix) from None
+        error = exc
+    except (ConnectError, RemoteCommandError, EOFError, OSError) as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - paramiko's own exceptions, classified below
+        if not _transient(exc):
+            raise
+        error = exc
+    finally:
+        done.set()
+    if st.failure is not None:
+        raise st.failure
+    return result, error, stalled.is_set()
+
+
+def _finished(st: _Follower, result: dict, reconnects: int, health) -> FollowOutcome:
+    """The outcome of a tail that ended with a result (the run ended, or a show without --follow)."""
+    st.finish_matcher()
+    outcome = FollowOutcome(
+        run_id=result.get("run_id") or st.run_id, experiment=st.experiment, state=str(result.get("state") or "running"),
+        exit=result.get("exit"), matches=st.matches, alerts=st.alerts, lines=st.lines,
+        reconnects=reconnects, offsets={"log": st.log_offset, "metrics": st.metrics_offset},
+        baseline=st.baseline,
+    )
+    if health is not None:
+        outcome.alerts.extend(health.finished(outcome) or [])
+    return outcome
+
+
+def _lost(st: _Follower, reconnects: int, down_s: float, last_error: str) -> FollowOutcome:
+    """The outcome when the connection stayed down too long: state lost, with what was delivered."""
+    st.finish_matcher()
+    return FollowOutcome(
+        run_id=st.run_id, experiment=st.experiment, state="lost", matches=st.matches, alerts=st.alerts,
+        lines=st.lines, reconnects=reconnects, baseline=st.baseline,
+        offsets={"log": st.log_offset, "metrics": st.metrics_offset},
+        error=f"connection lost for {down_s:.0f} s: {last_error.splitlines()[0] if last_error else ''}",
+    )
 
 
 def resolve(inv, ref: str | None, target: str | None) -> tuple[str, str | None, str | None]:

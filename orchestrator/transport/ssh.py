@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 from orchestrator.errors import ConnectError, HostKeyError
+from orchestrator.names import is_ssh_word
 from orchestrator.transport.base import CommandTimeout, Result, StreamCallback
 from orchestrator.quoting import render
 
@@ -36,12 +37,6 @@ _TAIL = 16384
 NO_EXIT_STATUS = 255
 # After both streams hit EOF the exit status is normally already there; wait at most this long for it.
 EXIT_STATUS_GRACE_S = 30.0
-
-
-def is_ssh_word(value: str) -> bool:
-    """True when `value` can stand as an ssh destination or user: not empty, no leading '-' (ssh would read
-    an option), no whitespace or control character."""
-    return bool(value) and not value.startswith("-") and value.isprintable() and not any(c.isspace() for c in value)
 
 
 def openssh_argv(
