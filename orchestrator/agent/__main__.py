@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from orchestrator.agent.protocol import AgentFailure, Emitter
+from orchestrator.agent.requests import REQUESTS
 
 _VERB = re.compile(r"[a-z][a-z0-9_-]{0,40}")
 
@@ -35,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("request must be a JSON object")
     except ValueError as exc:
         emit.error("BadRequest", f"agent request is not a JSON object: {exc}")
+        return 2
+    schema = REQUESTS.get(verb)
+    try:
+        if schema is not None:
+            schema.from_json(request)  # every field known, present and of its type, before the verb runs
+    except AgentFailure as exc:
+        emit.error(exc.type, exc.message, exc.fix, exc.data)
         return 2
     try:
         data = module.run(request, emit)

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from orchestrator.agent import driver as nvdriver
+from orchestrator.agent.requests import PingRequest
 from orchestrator.errors import ConnectError, ContainerMissing, DflashError, HostKeyError, PctError
 from orchestrator.ops.venv import TMUX_INSTALL
 from orchestrator.quoting import render
@@ -185,7 +186,7 @@ def _ping(rep: DoctorReport, target, kind: str, prefix, min_free_gib: float,
           venv: dict | None = None) -> None:
     """Run the one agent ping and turn its answer into checks (or one failure and skips)."""
     try:
-        ping = target.agent("ping", {"venv_profile": venv or {}}, timeout=120)
+        ping = target.agent("ping", PingRequest(venv_profile=venv or {}).to_json(), timeout=120)
     except DflashError as exc:  # AgentError, RemoteCommandError (no python3), ConnectError, pct errors
         if "python3" in exc.message:
             rep.add("python3", FAIL, exc.message, _fix(prefix, ["apt-get", "install", "-y", "python3"]))

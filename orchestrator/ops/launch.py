@@ -239,35 +239,18 @@ def launch(
 def launch_request(spec: LaunchSpec, *, created: str, run_id: str, cli: str | None, replace: bool, grace_s: float,
                    release_timeout_s: float, dry_run: bool, resume: str | None, warmup_device: str,
                    claim_wait_s: float) -> dict[str, Any]:
-    """The launch verb's request to the agent (orchestrator/agent/verbs/launch.py reads it)."""
+    """The launch verb's request to the agent (orchestrator.agent.requests.LaunchRequest, as JSON)."""
+    from orchestrator.agent.requests import LaunchRequest
     from orchestrator.bundle import build_bundle
 
-    return {
-        "experiment": spec.experiment,
-        "run_id": run_id,
-        "tag": spec.tag,
-        "target": spec.target,
-        "kind": spec.kind,
-        "command": spec.command,
-        "env": spec.env,
-        "gpus": spec.gpus,
-        "layout": spec.layout,
-        "config": spec.config,
-        "gpu_idle_mib": spec.gpu_idle_mib,
-        "venv_profile": spec.venv_profile,
-        "lock_hash": spec.lock_hash,
-        "bundle_hash": build_bundle().hash,
-        "cli": cli,
-        "created": created,
-        "replace": replace,
-        "grace_s": grace_s,
-        "release_timeout_s": release_timeout_s,
-        "dry_run": dry_run,
-        "resume": resume,
-        "warmup_device": warmup_device,
-        "claim_wait_s": claim_wait_s,
-        "requested_by": requested_by(f"dflashctl launch {spec.experiment} --replace"),
-    }
+    return LaunchRequest(
+        experiment=spec.experiment, run_id=run_id, tag=spec.tag, target=spec.target, kind=spec.kind,
+        command=spec.command, env=spec.env, gpus=list(spec.gpus or []), layout=spec.layout, config=spec.config,
+        gpu_idle_mib=spec.gpu_idle_mib, venv_profile=spec.venv_profile, lock_hash=spec.lock_hash,
+        bundle_hash=build_bundle().hash, cli=cli, created=created, replace=replace, grace_s=grace_s,
+        release_timeout_s=release_timeout_s, dry_run=dry_run, resume=resume, warmup_device=warmup_device,
+        claim_wait_s=claim_wait_s, requested_by=requested_by(f"dflashctl launch {spec.experiment} --replace"),
+    ).to_json()
 
 
 def _record(spec: LaunchSpec, data: dict, result: LaunchResult, created: str) -> None:

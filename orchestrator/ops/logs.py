@@ -354,21 +354,12 @@ def follow(
 
 def _tail_request(st: _Follower, *, follow: bool, tail: int | None, heartbeat: float, baseline: bool) -> dict[str, Any]:
     """The tail request of the next exec: from the byte after the last one delivered (the whole state in `st`)."""
-    request: dict[str, Any] = {
-        "run_id": st.run_id,
-        "experiment": None if st.run_id else st.experiment,
-        "follow": follow,
-        "metrics": follow,
-        "metrics_offset": st.metrics_offset,
-        "heartbeat": heartbeat,
-        "baseline": baseline and st.baseline is None and follow,
-    }
-    if st.log_offset is None:
-        request["offset"] = 0
-        request["tail"] = tail
-    else:
-        request["offset"] = st.log_offset
-    return request
+    from orchestrator.agent.requests import TailRequest
+
+    start = {"offset": 0, "tail": tail} if st.log_offset is None else {"offset": st.log_offset}
+    return TailRequest(run_id=st.run_id, experiment=None if st.run_id else st.experiment, follow=follow,
+                       metrics=follow, metrics_offset=st.metrics_offset, heartbeat=heartbeat,
+                       baseline=bool(baseline and st.baseline is None and follow), **start).to_json()
 
 
 def _tail_once(target, st: _Follower, request: dict, follow: bool,

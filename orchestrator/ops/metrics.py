@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orchestrator.agent.requests import MetricsRequest
 from orchestrator.errors import AgentError, RunNotFound, UserError
 from trainer.metrics import parse_tau_key
 
@@ -40,7 +41,7 @@ def fetch_metrics(target, run_id: str | None = None, *, experiment: str | None =
         RunNotFound: no such run in the target.
     """
     try:
-        data = target.agent("metrics", {"run_id": run_id, "experiment": experiment, "max_rows": max_rows})
+        data = target.agent("metrics", MetricsRequest(run_id=run_id, experiment=experiment, max_rows=max_rows).to_json())
     except AgentError as exc:
         if exc.agent_type == "RunNotFound":
             raise RunNotFound(exc.message, fix=exc.fix) from None

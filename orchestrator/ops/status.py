@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from orchestrator.agent.requests import StatusRequest
 from orchestrator.errors import ContainerMissing, ContainerStopped
 
 
@@ -48,7 +49,7 @@ def status(target, *, limit: int = 20, timeout: float | None = 120) -> TargetSta
 
     kind = "running" if isinstance(target, ContainerTarget) else "local"
     try:
-        data = target.agent("status", {"limit": limit}, timeout=timeout)
+        data = target.agent("status", StatusRequest(limit=limit).to_json(), timeout=timeout)
     except ContainerStopped as exc:
         return TargetStatus(target.name, "stopped", workdir=target.workdir, note=exc.message)
     except ContainerMissing as exc:

@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from orchestrator.agent.requests import StopRequest
 from orchestrator.errors import AgentError, RunNotFound
 
 DEFAULT_GRACE_S = 20.0
@@ -58,8 +59,8 @@ def stop(
     from orchestrator.inventory import check_run_ref
 
     check_run_ref(run_id)
-    request = {"run_id": run_id, "grace_s": grace_s, "gpus": gpus or [], "gpu_idle_mib": gpu_idle_mib,
-               "requested_by": requested_by()}
+    request = StopRequest(run_id=run_id, grace_s=grace_s, gpus=gpus or [], gpu_idle_mib=gpu_idle_mib,
+                          requested_by=requested_by()).to_json()
     # Worst case: two grace periods, the post-SIGKILL wait, and the GPU release wait.
     timeout = 2 * grace_s + 60 + (150 if gpus else 0)
     try:

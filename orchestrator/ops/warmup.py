@@ -58,13 +58,10 @@ def warmup(
     if spec.kind != "dflash":
         raise UserError(f"experiment {spec.experiment} is kind {spec.kind}: only kind dflash (the bundled trainer) "
                         "has shapes to warm up", fix="warm up a kind dflash experiment")
-    request = {
-        "experiment": spec.experiment,
-        "config": spec.config or {},
-        "layout": spec.layout or {},
-        "gpu_idle_mib": spec.gpu_idle_mib,
-        "device": device,
-    }
+    from orchestrator.agent.requests import WarmupRequest
+
+    request = WarmupRequest(experiment=spec.experiment, config=spec.config or {}, layout=spec.layout or {},
+                            gpu_idle_mib=spec.gpu_idle_mib, device=device).to_json()
     from orchestrator.ops.launch import agent_or_refuse
 
     data = agent_or_refuse(target, "warmup", request, REFUSALS, f"warmup {spec.experiment} on {spec.target}",
