@@ -6,9 +6,11 @@ Result:  {"fingerprint": {...}, "diff": [human lines; empty when it matches the 
 
 from __future__ import annotations
 
+from orchestrator.agent.requests import FingerprintRequest
 from orchestrator.agent.venvinfo import current_fingerprint, fingerprint_diff
 
 
 def run(request: dict, emit) -> dict:
-    fp = current_fingerprint(request["workdir"], request.get("profile") or {})
-    return {"fingerprint": fp, "diff": fingerprint_diff(fp, request.get("expected_lock_hash"))}
+    req = FingerprintRequest.from_json(request)
+    fp = current_fingerprint(req.workdir, req.profile or {})
+    return {"fingerprint": fp, "diff": fingerprint_diff(fp, req.expected_lock_hash)}

@@ -7,8 +7,9 @@ list is empty or partial; an empty list is not an error).
 from __future__ import annotations
 
 from orchestrator.agent.gpu import query_gpus
+from orchestrator.agent.requests import GpusRequest
 
 
 def run(request: dict, emit) -> dict:
-    gpus, reason = query_gpus(timeout=float(request.get("timeout", 30)))
+    gpus, reason = query_gpus(timeout=GpusRequest.from_json(request).timeout)
     return {"gpus": gpus, "reason": reason}

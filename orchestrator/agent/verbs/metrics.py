@@ -7,6 +7,7 @@ A torn last line (the trainer is writing it right now) is skipped, not an error.
 from __future__ import annotations
 
 
+from orchestrator.agent.requests import MetricsRequest
 from orchestrator.agent.runs import parse_records, resolve_run
 
 
@@ -20,11 +21,12 @@ def read_rows(path) -> tuple[list[dict], int]:
 
 
 def run(request: dict, emit) -> dict:
-    ref = resolve_run(request["workdir"], request.get("run_id"), request.get("experiment"))
+    req = MetricsRequest.from_json(request)
+    ref = resolve_run(req.workdir, req.run_id, req.experiment)
     if not ref.metrics.exists():
         return {"run_id": ref.run_id, "rows": [], "total": 0, "bad_lines": 0}
     rows, bad = read_rows(ref.metrics)
-    max_rows = int(request.get("max_rows", 2000))
+    max_rows = req.max_rows
     total = len(rows)
     if total > max_rows > 1:
         stride = (total - 1) / (max_rows - 1)

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from orchestrator.agent import driver as nvdriver
 from orchestrator.agent.gpu import query_gpus
 from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.requests import PingRequest
 
 # uv's installer puts it in ~/.local/bin (or ~/.cargo/bin), which pct's reset PATH lacks.
 _UV_DIRS = ("~/.local/bin", "~/.cargo/bin", "/usr/local/bin")
@@ -107,14 +108,15 @@ def _bundle_hash() -> str | None:
 
 
 def run(request: dict, emit) -> dict:
-    workdir = request.get("workdir")
-    if not isinstance(workdir, str) or not os.path.isabs(workdir):
+    req = PingRequest.from_json(request)
+    workdir = req.workdir
+    if not os.path.isabs(workdir):
         raise AgentFailure("BadRequest", f"ping needs an absolute workdir, got {workdir!r}")
     # nvidia-smi (twice: the GPU query and the bare header), tmux and uv are independent subprocesses; ask
     # them at once (nvidia-smi alone can take a second on a big box).
     with ThreadPoolExecutor(max_workers=4) as pool:
-        f_gpus = pool.submit(query_gpus, float(request.get("gpu_timeout", 30)))
-        f_driver = pool.submit(nvdriver.probe, float(request.get("gpu_timeout", 30)))
+        f_gpus = pool.submit(query_gpus, req.gpu_timeout)
+        f_driver = pool.submit(nvdriver.probe, req.gpu_timeout)
         f_tmux = pool.submit(_tmux)
         f_uv = pool.submit(_uv, workdir)
         wd = writable_dir(workdir)
@@ -136,5 +138,5 @@ def run(request: dict, emit) -> dict:
         "inductor_cache_dir": cache,
         "venv": os.path.realpath(current) if os.path.exists(current) else None,
         "driver": {"info": f_driver.result().to_dict(),
-                   "venv": nvdriver.venv_torch(workdir, request.get("venv_profile") or {})},
+                   "venv": nvdriver.venv_torch(workdir, req.venv_profile or {})},
     }

@@ -11,14 +11,16 @@ import socket
 
 from orchestrator.agent import runs, tmuxctl
 from orchestrator.agent.gpu import query_gpus
+from orchestrator.agent.requests import StatusRequest
 
 
 def run(request: dict, emit) -> dict:
-    workdir = request["workdir"]
-    gpus, reason = query_gpus(timeout=float(request.get("gpu_timeout", 30)))
+    req = StatusRequest.from_json(request)
+    workdir = req.workdir
+    gpus, reason = query_gpus(timeout=req.gpu_timeout)
     sessions = tmuxctl.list_sessions()
     all_runs = runs.list_runs(workdir, sessions)
-    limit = int(request.get("limit", 20))
+    limit = req.limit
     return {
         "hostname": socket.gethostname(),
         "workdir": workdir,

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 from orchestrator.agent import gpu
 from orchestrator.agent.protocol import AgentFailure
-from orchestrator.agent.stopping import DEFAULT_GRACE_S, stop_run
+from orchestrator.agent.requests import StopRequest
+from orchestrator.agent.stopping import stop_run
 
 
 def run(request: dict, emit) -> dict:
-    workdir = request["workdir"]
-    run_id = request.get("run_id")
-    if not run_id:
+    req = StopRequest.from_json(request)
+    if not req.run_id:
         raise AgentFailure("BadRequest", "stop needs a run_id")
-    result = stop_run(workdir, run_id, float(request.get("grace_s", DEFAULT_GRACE_S)), emit,
-                      request.get("requested_by"))
-    gpus = [int(g) for g in request.get("gpus") or []]
-    if gpus:
-        result["gpus"] = gpu.wait_gpus_idle(
-            gpus, int(request.get("gpu_idle_mib", 1024)), float(request.get("release_timeout_s", 120)), emit
-        )
+    result = stop_run(req.workdir, req.run_id, req.grace_s, emit, req.requested_by)
+    if req.gpus:
+        result["gpus"] = gpu.wait_gpus_idle(req.gpus, req.gpu_idle_mib, req.release_timeout_s, emit)
     return result
