@@ -24,155 +24,26 @@ resumed run ResumeFailed: either way the run's exit.json is written and no sessi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
-import sys
 from pathlib import Path
 
 from orchestrator import assets, ownlines
-from orchestrator.agent import claims, gpu, runs, stopping, tmuxctl
-from orchestrator.agent import resume
+from orchestrator.agent import claims, gpu, preflight, resume, runs, stopping, tmuxctl
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.protocol import AgentFailure, need
+from orchestrator.agent.runcommand import (  # noqa: F401 - build_command and run_environment: tests use them here
+    ENV_FILE,
+    SCRIPT_NAME,
+    build_command,
+    run_config,
+    run_environment,
+)
 from orchestrator.quoting import render, render_line
-
-SCRIPT_NAME = "start_training.sh"
-ENV_FILE = "launch.env0"
-# Variables of the agent's own environment that must not leak into a run.
-_DROP_ENV = ("TMUX", "TMUX_PANE")
 
 
 def _need(request: dict, key: str, kind: type):
     return need(request, key, kind, "launch")
-
-
-def _check_env(env: dict) -> dict[str, str]:
-    for k, v in env.items():
-        if not k or not (k[0].isalpha() or k[0] == "_") or not all(c.isalnum() or c == "_" for c in k):
-            raise AgentFailure("BadRequest", f"bad environment variable name {k!r}", fix="use [A-Za-z_][A-Za-z0-9_]*")
-        if not isinstance(v, str) or "\x00" in v:
-            raise AgentFailure("BadRequest", f"environment variable {k}: value must be a string without NUL bytes")
-    return env
-
-
-def build_command(request: dict, run_dir: Path, config: dict | None = None,
-                  resume_dir: Path | None = None) -> tuple[list[str], dict[str, str]]:
-    """The argv the session runs and the extra environment it gets (on top of the agent's own).
-
-    kind dflash: `<this python> -m trainer.launch --config <run>/config.json [--resume <run>]`: one process
-    for the colocated CPU layout (which sees no GPU: CUDA_VISIBLE_DEVICES=""), else one process per GPU of
-    the layout, each given exactly its GPU by trainer.launch itself (see run_environment). PYTHONPATH stays
-    the agent's (the bundle zip in a container, the source tree locally); TORCHINDUCTOR_CACHE_DIR is the
-    config's compile.cache_dir. kind command: the experiment's argv with its env, CUDA_VISIBLE_DEVICES from
-    its gpus, and DFLASHCTL_RESUME_DIR=<old run dir> when resuming.
-
-    Args:
-        config: kind dflash: the resolved config (default: request["config"]).
-        resume_dir: the directory the run continues (dflash: the new, seeded run dir; command: the old one).
-    """
-    kind = request.get("kind")
-    extra = {"PYTHONUNBUFFERED": "1", "DFLASHCTL_RUN_ID": run_dir.name, "DFLASHCTL_RUN_DIR": str(run_dir)}
-    gpus = [int(g) for g in request.get("gpus") or []]
-    if kind == "dflash":
-        argv = [sys.executable, "-m", "trainer.launch", "--config", str(run_dir / "config.json")]
-        if resume_dir is not None:
-            argv += ["--resume", str(resume_dir)]
-        if gpus:
-            extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the layout's indices are nvidia-smi's
-        else:
-            extra["CUDA_VISIBLE_DEVICES"] = ""  # the colocated CPU layout sees no GPU
-        cache = ((config if config is not None else request.get("config") or {}).get("compile") or {}).get("cache_dir")
-        if cache:
-            extra["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-        return argv, extra
-    if kind == "command":
-        argv = _need(request, "command", list)
-        if not argv or not all(isinstance(a, str) for a in argv):
-            raise AgentFailure("BadRequest", "launch request: command must be a non-empty list of strings")
-        env = _check_env(dict(request.get("env") or {}))
-        if gpus:
-            extra["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        if resume_dir is not None:
-            extra[resume.RESUME_ENV] = str(resume_dir)
-        return list(argv), {**env, **extra}
-    raise AgentFailure("BadRequest", f"launch request: unknown experiment kind {kind!r} (dflash or command)")
-
-
-def run_environment(base: dict[str, str], extra: dict[str, str], request: dict) -> dict[str, str]:
-    """The run's whole environment (pure): the agent's own, minus what must not leak, plus `extra`.
-
-    A dflash GPU layout drops any inherited CUDA_VISIBLE_DEVICES: the launcher uses no GPU, and each rank
-    gets exactly its own from trainer.launch (Layout.env), which always replaces the inherited value.
-    """
-    env = {k: v for k, v in base.items() if k not in _DROP_ENV}
-    if request.get("kind") == "dflash" and request.get("gpus"):
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-    env.update(extra)
-    return env
-
-
-def _preflight_session(name: str, experiment: str, replace: bool) -> dict | None:
-    """Refuse (or mark for replacement) a live session of this experiment; clear a dead one.
-
-    Returns the live session to replace, or None.
-    """
-    s = tmuxctl.find_session(name)
-    if s is None:
-        return None
-    if s["dead"]:
-        return {**s, "dead_only": True}
-    if not replace:
-        rid = s.get("run_id") or "unknown"
-        raise AgentFailure(
-            "SessionExists",
-            f"tmux session {name} is running run {rid}",
-            fix=f"dflashctl launch {experiment} --replace   (or: dflashctl stop {rid})",
-            data={"session": name, "run_id": rid},
-        )
-    return s
-
-
-def _preflight_driver(workdir: str, request: dict, gpus: list[int], emit) -> None:
-    """A run on GPUs: the NVIDIA driver must run the venv's torch, and its libraries must match the kernel
-    module (checked before the GPU query, which a library mismatch would only report as unreadable)."""
-    if not gpus:
-        return
-    from orchestrator.agent import driver
-
-    profile = request.get("venv_profile") or {}
-    torch = driver.venv_torch(workdir, profile)
-    info = driver.probe()
-    problems = driver.check(torch.get("cuda"), info, torch.get("torch"))
-    if problems:
-        p = problems[0]
-        fix = p.fix(lock=driver.profile_lock(profile), target=request.get("target"))
-        raise AgentFailure(p.type, p.message, fix=fix, data={**p.data, "gpus": gpus})
-    emit.progress("driver", driver.describe_ok(torch.get("torch"), torch.get("cuda"), info), driver=info.driver)
-
-
-def _fingerprint(workdir: str, request: dict, emit) -> dict:
-    """The venv fingerprint, refused when it differs from the experiment's lock."""
-    if importlib.util.find_spec("orchestrator.agent.venvinfo") is None:
-        emit.progress("venv", "venv check skipped: this bundle has no venvinfo module", skipped=True)
-        return {"python": sys.version.split()[0], "executable": sys.executable}
-    from orchestrator.agent import venvinfo
-
-    profile = request.get("venv_profile") or {}
-    actual = venvinfo.current_fingerprint(workdir, profile)
-    diff = venvinfo.fingerprint_diff(actual, request.get("lock_hash"), profile)
-    if diff:
-        raise AgentFailure(
-            "VenvMismatch",
-            "the venv does not match the experiment's lock: " + "; ".join(diff[:12])
-            + (f" (and {len(diff) - 12} more)" if len(diff) > 12 else ""),
-            # --profile: the experiment's profile may not be its target's default, which a bare rebuild builds
-            fix="dflashctl rebuild-venv" + (f" --target {request['target']}" if request.get("target") else "")
-            + (f" --profile {profile['name']}" if profile.get("name") else ""),
-            data={"differences": diff},
-        )
-    emit.progress("venv", "venv matches the lock", lock_hash=actual.get("lock_hash"))
-    return actual
 
 
 def warmup_targets(layout: dict, config: dict) -> tuple[list[int | None], str | None]:
@@ -244,43 +115,6 @@ def _env_blob(env: dict[str, str]) -> bytes:
     return b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
 
 
-def _resume_source(workdir: str, request: dict, emit) -> resume.ResumeSource | None:
-    """The run to continue (checked), or None; announces what the new run starts from."""
-    rid = request.get("resume")
-    if not rid:
-        return None
-    src = resume.find_source(workdir, str(rid), request["experiment"], str(request.get("kind")))
-    if src.step is not None:
-        emit.progress("resume", f"continuing run {src.run_id} from its checkpoint at step {src.step}",
-                      resumed_from=src.run_id, checkpoint_step=src.step)
-    else:
-        emit.progress("resume", f"continuing run {src.run_id} ({resume.RESUME_ENV}={src.run_dir})",
-                      resumed_from=src.run_id)
-    return src
-
-
-def _run_gpus(request: dict, src: resume.ResumeSource | None, emit) -> list[int]:
-    """The GPUs the run occupies: the experiment's, or for a resumed dflash run its old config's layout (the
-    trainer refuses another number of drafters, and those are the GPUs the copied config names)."""
-    gpus = [int(g) for g in request.get("gpus") or []]
-    if src is not None and src.config is not None:
-        old = resume.layout_gpus(src.config)
-        if old != gpus:
-            emit.progress("resume", f"the resumed config's layout uses GPUs {old} (the inventory now says {gpus})")
-        gpus = old
-    return gpus
-
-
-def _run_config(request: dict, workdir: str, run_dir: Path, src: resume.ResumeSource | None,
-                create: bool = True) -> dict:
-    """kind dflash: the config written to runs/<id>/config.json (the old run's when resuming), writing into
-    run_dir, with compile.cache_dir defaulting to the target's persistent cache (made unless `create` is
-    false: a dry run changes nothing)."""
-    config = resume.resumed_config(src, run_dir) if src is not None else {**(request.get("config") or {}),
-                                                                         "output_dir": str(run_dir)}
-    return warmups.resolve_compile(config, workdir, create=create)
-
-
 def run(request: dict, emit) -> dict:
     workdir = _need(request, "workdir", str)
     experiment = _need(request, "experiment", str)
@@ -290,7 +124,7 @@ def run(request: dict, emit) -> dict:
     replace = bool(request.get("replace"))
 
     if request.get("dry_run"):
-        return _plan(request, workdir, run_id, session, threshold, replace, emit)
+        return preflight.plan(request, workdir, run_id, session, threshold, replace, emit).to_json()
 
     # Held across the whole preflight, until the session runs: one launch of this experiment at a time.
     lock = runs.LaunchLock(workdir, experiment)
@@ -301,17 +135,17 @@ def run(request: dict, emit) -> dict:
     try:
         replaced, replaced_stop = _clear_session(request, workdir, session, experiment, replace, threshold, emit)
         # After a --replace stop, so `--replace --resume <the live run>` continues from its final checkpoint.
-        src = _resume_source(workdir, request, emit)
-        gpus = _run_gpus(request, src, emit)
+        src = preflight.resume_source(workdir, request, emit)
+        gpus = preflight.run_gpus(request, src, emit)
         if gpus:
             token = claims.claim(workdir, gpus, {"run_id": run_id, "experiment": experiment}, emit,
                                  float(request.get("claim_wait_s", claims.DEFAULT_WAIT_S)))
             emit.progress("claim", f"claimed GPUs {gpus} for run {run_id}")
-        _preflight_driver(workdir, request, gpus, emit)
+        preflight.check_driver(workdir, request, gpus, emit)
         seen = gpu.preflight_gpus(gpus, threshold)
         if gpus:
             emit.progress("gpus", f"GPUs {gpus} idle (under {threshold} MiB)")
-        fingerprint = _fingerprint(workdir, request, emit)
+        fingerprint = preflight.check_venv(workdir, request, emit)
         result = _start_run({**request, "gpus": gpus}, workdir, run_id, session, src, replaced, fingerprint, seen,
                             emit)
         if token is not None:
@@ -332,7 +166,7 @@ def _clear_session(request: dict, workdir: str, session: str, experiment: str, r
     Returns:
         (the replaced run id, its exit.json "stopped" record: who stopped it and when), or (None, None).
     """
-    old = _preflight_session(session, experiment, replace)
+    old = preflight.check_session(session, experiment, replace)
     if old is None:
         emit.progress("session", f"no live session {session}")
         return None, None
@@ -376,7 +210,7 @@ def _start_run(request: dict, workdir: str, run_id: str, session: str, src: resu
     run_id, run_dir = runs.create_run_dir(workdir, run_id)
     config = None
     if dflash:
-        config = _run_config(request, workdir, run_dir, src)
+        config = run_config(request, workdir, run_dir, src)
         if src is not None:
             _seed_resumed(src, run_id, run_dir, emit)
         runs.write_json(run_dir / "config.json", config)
@@ -461,52 +295,3 @@ def _describe_layout(gpus: list[int], layout: dict) -> str:
     return "colocated: target and drafter in one CPU process"
 
 
-def _plan(request, workdir, run_id, session, threshold, replace, emit) -> dict:
-    """--dry-run: the same checks, read-only; what would be stopped, written and started."""
-    old = tmuxctl.find_session(session)
-    would_stop = None
-    if old is not None and not old["dead"]:
-        if not replace:
-            _preflight_session(session, request["experiment"], False)  # raises SessionExists like the real launch
-        would_stop = old.get("run_id") or session
-    elif old is not None:
-        emit.progress("session", f"would clear the finished session {session}")
-    src = _resume_source(workdir, request, emit)
-    gpus = _run_gpus(request, src, emit)
-    _preflight_driver(workdir, request, gpus, emit)
-    if would_stop is None:
-        taken = claims.held(workdir, gpus)
-        if taken:
-            raise claims.refusal(taken)  # as the real launch would after its wait, without waiting
-        gpu.preflight_gpus(gpus, threshold)
-    fingerprint = _fingerprint(workdir, request, emit)
-    run_dir = runs.runs_root(workdir) / run_id
-    request = {**request, "gpus": gpus}
-    dflash = request.get("kind") == "dflash"
-    config = _run_config(request, workdir, run_dir, src, create=False) if dflash else None
-    resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
-    argv, extra = build_command(request, run_dir, config, resume_dir)
-    script = run_dir / SCRIPT_NAME
-    return {
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "session": session,
-        "command": argv,
-        "gpus": gpus,
-        "replaced": would_stop,
-        "resumed_from": None if src is None else src.run_id,
-        "dry_run": True,
-        "env_fingerprint": fingerprint,
-        "bundle_hash": request.get("bundle_hash"),
-        "plan": {
-            "would_stop": would_stop,
-            "resume": None if src is None else {"run_id": src.run_id, "step": src.step},
-            "files": [str(run_dir / n) for n in ("run.json", "config.json", SCRIPT_NAME, ENV_FILE)
-                      if n != "config.json" or dflash],
-            "env": {k: v for k, v in extra.items()
-                    if k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR", resume.RESUME_ENV)},
-            "env_keys": sorted({*extra, *(request.get("env") or {})}),
-            "tmux": ["tmux", "new-session", "-d", "-s", session, render(["bash", str(script), str(run_dir), "--", *argv])],
-            "gpu_idle_mib": threshold,
-        },
-    }
