@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return _usage_error(exc)
 
 
-def _dflash_error(exc, verbose: bool) -> int:
+def _dflash_error(exc, verbose: bool = False) -> int:
     """Print a DflashError as `error: ...` and `fix: ...` (literal text, never markup); the traceback only
     with --verbose or $DFLASHCTL_VERBOSE."""
     from orchestrator.render import console, text
