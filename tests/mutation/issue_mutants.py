@@ -35,15 +35,16 @@ class Mutant:
     delete: list[str] = field(default_factory=list)
 
 
+_VERBS = ("doctor", "trust", "diagnose", "rebuild_venv", "lock", "launch", "status", "stop", "attach", "logs",
+          "metrics", "warmup", "runs")
 _SILENT_CLI = (
     "orchestrator/cli.py",
-    "from orchestrator.commands import diagnose, doctor, launch, logs, metrics, trust, venv, warmup\n",
-    "import importlib as _il\n_verbs = []\nfor _n in ('doctor', 'trust', 'diagnose', 'venv', 'launch', 'logs', "
-    "'metrics', 'warmup'):\n    try:\n        _verbs.append(_il.import_module('orchestrator.commands.' + _n))\n"
+    "from orchestrator.commands import (\n" + "".join(f"    {n},\n" for n in sorted(_VERBS)) + ")\n",
+    f"import importlib as _il\n_verbs = []\nfor _n in {_VERBS!r}:\n    try:\n"
+    "        _verbs.append(_il.import_module('orchestrator.commands.' + _n))\n"
     "    except ImportError:\n        pass\n",
 )
-_SILENT_LOOP = ("orchestrator/cli.py", "for _module in (doctor, trust, diagnose, venv, launch, logs, metrics, warmup):",
-                "for _module in _verbs:")
+_SILENT_LOOP = ("orchestrator/cli.py", f"for _module in ({', '.join(_VERBS)}):", "for _module in _verbs:")
 
 MUTANTS = [
     Mutant("gamma-loss", "the loss uses γ = 2 whatever it is given",
@@ -73,10 +74,10 @@ MUTANTS = [
     Mutant("diagnose-fix-under-not-this", "diagnose prints the fix under the 'will not help' heading",
            ["tests/orchestrator/test_diagnose.py::test_the_user_reads_the_diagnosis_the_fix_and_every_false_lead_in_order"],
            [("orchestrator/commands/diagnose.py",
-             'out.print(text(("fix:", "bold"), f" {worst.fix}"))\n        if worst.not_this:\n'
-             '            out.print(text(("will not help:", "bold")))',
-             'if worst.not_this:\n            out.print(text(("will not help:", "bold")))\n'
-             '            out.print(text(("fix:", "bold"), f" {worst.fix}"))')]),
+             'out.print(text(("fix:", "bold"), f" {worst.fix}"))\n    if worst.not_this:\n'
+             '        out.print(text(("will not help:", "bold")))',
+             'if worst.not_this:\n        out.print(text(("will not help:", "bold")))\n'
+             '        out.print(text(("fix:", "bold"), f" {worst.fix}"))')]),
     Mutant("follow-no-not-this", "logs --follow prints no 'will not help' items",
            ["tests/orchestrator/test_follow_cli.py::test_crash_diagnosis_is_printed_identically_by_both_follows"],
            [("orchestrator/commands/logs.py", 'for wrong in m.get("not_this") or ():', "for wrong in ():")]),
@@ -87,7 +88,7 @@ MUTANTS = [
              'for wrong in [m.get("fix"), *(m.get("not_this") or ())]:')]),
     Mutant("reconnect-offset-0", "a reconnect asks the agent for offset 0 (the client's trim hides the re-read)",
            ["tests/orchestrator/test_logs.py::test_a_reconnect_asks_for_the_next_byte_and_no_byte_is_sent_twice"],
-           [("orchestrator/ops/logs.py", 'request["offset"] = st.log_offset', 'request["offset"] = 0')]),
+           [("orchestrator/ops/logs.py", 'else {"offset": st.log_offset}', 'else {"offset": 0}')]),
     Mutant("no-overlap-trim", "the client no longer trims bytes it has shown already",
            ["tests/orchestrator/test_logs.py::test_an_overlapping_chunk_is_trimmed_a_resent_one_skipped_a_gap_refused"],
            [("orchestrator/ops/logs.py", "raw = raw[expected - start:]", "raw = raw")]),
@@ -107,10 +108,10 @@ MUTANTS = [
             "tests/orchestrator/test_names_property.py::test_fullmatch_a_valid_name_with_anything_after_it_is_refused"],
            [("orchestrator/names.py", "_CHARS.fullmatch(value) is not None",
              're.match(_CHARS.pattern + "$", value) is not None')]),
-    Mutant("venv-verbs-deleted", "commands/venv.py deleted and cli.py skipping a missing verb module",
+    Mutant("venv-verbs-deleted", "commands/rebuild_venv.py and lock.py deleted and cli.py skipping a missing verb module",
            ["tests/orchestrator/test_cli.py::test_every_verb_the_readme_lists_answers_help",
             "tests/orchestrator/test_lock.py::test_the_lock_verb_through_the_installed_cli"],
-           [_SILENT_CLI, _SILENT_LOOP], ["orchestrator/commands/venv.py"]),
+           [_SILENT_CLI, _SILENT_LOOP], ["orchestrator/commands/rebuild_venv.py", "orchestrator/commands/lock.py"]),
     Mutant("warmup-verb-deleted", "commands/warmup.py deleted and cli.py skipping a missing verb module",
            ["tests/orchestrator/test_cli.py::test_every_verb_the_readme_lists_answers_help",
             "tests/orchestrator/test_warmup_verb.py::test_the_warmup_verb_through_the_installed_cli"],

@@ -47,8 +47,8 @@ MODULES: dict[str, dict] = {
                   "-k", "not end_to_end and not as_the_user_sees_it"],
     },
     "quoting": {
-        "files": ["orchestrator/transport/quoting.py"],
-        "functions": ["orchestrator.transport.quoting.*"],
+        "files": ["orchestrator/quoting.py"],
+        "functions": ["orchestrator.quoting.*"],
         # test_quoting_property.py sends hundreds of texts through bash, ssh and pct (a minute or more for each
         # mutant that survives its first tests): the main suite runs it, the golden tests here are exact.
         "tests": ["tests/orchestrator/test_quoting.py"],
