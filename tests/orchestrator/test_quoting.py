@@ -66,7 +66,7 @@ def test_with_env_accepts_every_shell_variable_name(key):
 
 def test_each_refusal_says_what_and_where():
     """The exact texts a user reads when a command line cannot be built (fast: the mutation run's selection)."""
-    from orchestrator.transport.quoting import check_argv
+    from orchestrator.quoting import check_argv
 
     with pytest.raises(ValueError) as info:
         check_argv([])
@@ -86,6 +86,6 @@ def test_each_refusal_says_what_and_where():
     (["x", "\t\r\\'\x1b\x7f\x1f "], "x $'\\t\\r\\\\\\'\\x1b\\x7f\\x1f '"),
 ])
 def test_render_line_golden(argv, expected):
-    from orchestrator.transport.quoting import render_line
+    from orchestrator.quoting import render_line
 
     assert render_line(argv) == expected
