@@ -312,3 +312,38 @@ def test_shipped_patterns_are_grep_compatible(catalogue):
     for sig in catalogue:
         for pat in sig.patterns:
             assert not re.search(r"\(\?[=!<]|[*+?}]\?", pat.replace("(?P<", "(")), (sig.id, pat)
+
+
+# -------------------------------------------------- the edges of one traceback event (fast; the mutation run's)
+
+FRAME = ['  File "/w/train.py", line 3, in step', "    loss.backward()"]
+
+
+def test_a_traceback_event_holds_its_lines_and_their_numbers(catalogue):
+    text = "\n".join(["step 1", "Traceback (most recent call last):", *FRAME, "ValueError: boom",
+                      "2026-01-01 10:00:00 INFO step 2"])  # a new log record ends the message
+    [m] = run_lines(catalogue, text)
+    assert (m.line_no, m.end_line_no, m.exception) == (2, 5, "ValueError: boom")
+    assert m.lines == ["Traceback (most recent call last):", *FRAME, "ValueError: boom"]
+    # A header and then the end of the log: a one-line event, ending where it starts.
+    [m] = run_lines(catalogue, "x\nTraceback (most recent call last):")
+    assert (m.line_no, m.end_line_no, m.lines) == (2, 2, ["Traceback (most recent call last):"])
+
+
+def test_a_traceback_event_keeps_its_first_400_lines(catalogue):
+    frames = FRAME * 300
+    [m] = run_lines(catalogue, "\n".join(["Traceback (most recent call last):", *frames, "ValueError: deep"]))
+    assert len(m.lines) == 400 and m.lines[:3] == ["Traceback (most recent call last):", *FRAME]
+    assert m.end_line_no == 602 and m.exception == "ValueError: deep"  # counted to the end, kept to 400
+
+
+def test_a_tagged_traceback_survives_200_interleaved_lines_of_another_rank_not_201(catalogue):
+    def log(foreign: int) -> str:
+        other = [f"[rank0]: step {i} loss 0.5" for i in range(foreign)]
+        return "\n".join(["[rank1]: Traceback (most recent call last):", *other,
+                          *(f"[rank1]: {line}" for line in FRAME), "[rank1]: ValueError: boom"])
+
+    [m] = run_lines(catalogue, log(200))
+    assert m.exception == "ValueError: boom" and m.last_frame.function == "step"
+    cut = run_lines(catalogue, log(201))  # the 201st foreign line ends the tagged traceback
+    assert cut[0].exception is None and cut[0].lines == ["[rank1]: Traceback (most recent call last):"]
