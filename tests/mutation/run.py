@@ -130,9 +130,9 @@ KILLED = {1, 3, 36, 24, -24, 152, 255}  # mutmut's exit codes: failed tests, pyt
 SURVIVED = {0, 33}  # the tests passed; no selected test runs the mutated function (not defended either)
 
 
-def _prepare(name: str, spec: dict) -> Path:
+def _prepare(name: str, spec: dict, scratch: Path) -> Path:
     """A scratch copy of the packages, the tests and pyproject.toml, with mutmut's config for this module."""
-    root = SCRATCH / re.sub(r"[^a-z]+", "-", name).strip("-")
+    root = scratch / re.sub(r"[^a-z]+", "-", name).strip("-")
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
@@ -153,8 +153,8 @@ def _prepare(name: str, spec: dict) -> Path:
     return root
 
 
-def _run_module(name: str, spec: dict, log) -> tuple[Path, float]:
-    root = _prepare(name, spec)
+def _run_module(name: str, spec: dict, scratch: Path, log) -> tuple[Path, float]:
+    root = _prepare(name, spec, scratch)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts mutants/ first itself
     start = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "mutmut", "run", *spec["functions"]], cwd=root, env=env,
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ci", action="store_true", help=f"only the modules CI mutates ({CI_NOTE})")
     ap.add_argument("--full", action="store_true", help="also the modules marked full (the signature line scanner)")
     ap.add_argument("--list-survivors", action="store_true", help="print every survivor's diff too")
+    ap.add_argument("--scratch", type=Path, default=SCRATCH, help=f"where the scratch copies go (default: {SCRATCH})")
     args = ap.parse_args(argv)
     wanted = CI if args.ci else [m for m in MODULES if args.full or args.only or not MODULES[m].get("full")]
     if args.only:
@@ -236,13 +237,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown module(s) {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, MODULES))}")
         wanted = [m for m in wanted if m in args.only or m.split()[0] in args.only]
     equivalent = load_equivalent()
-    SCRATCH.mkdir(parents=True, exist_ok=True)
+    args.scratch = args.scratch.resolve()
+    args.scratch.mkdir(parents=True, exist_ok=True)
     rows, survivors, started = [], [], time.monotonic()
     for name in wanted:
         spec = MODULES[name]
-        log_path = SCRATCH / (re.sub(r"[^a-z]+", "-", name).strip("-") + ".log")
+        log_path = args.scratch / (re.sub(r"[^a-z]+", "-", name).strip("-") + ".log")
         with open(log_path, "w") as log:
-            root, wall = _run_module(name, spec, log)
+            root, wall = _run_module(name, spec, args.scratch, log)
         codes = _results(root, spec)
         alive = sorted(k for k, v in codes.items() if v in SURVIVED)
         diffs = _diffs(root, alive)

@@ -347,3 +347,23 @@ def test_a_tagged_traceback_survives_200_interleaved_lines_of_another_rank_not_2
     assert m.exception == "ValueError: boom" and m.last_frame.function == "step"
     cut = run_lines(catalogue, log(201))  # the 201st foreign line ends the tagged traceback
     assert cut[0].exception is None and cut[0].lines == ["[rank1]: Traceback (most recent call last):"]
+
+
+def _entry(sig_id: str, pattern: str, severity: str, priority: int) -> dict:
+    return {"id": sig_id, "patterns": [pattern], "severity": severity, "priority": priority,
+            "title": f"{sig_id}: {{what}}", "diagnosis": "d", "fix": "f"}
+
+
+def test_the_winner_of_a_traceback_is_the_most_severe_then_the_first_in_catalogue_order():
+    cat = load_catalogue([_entry("zz-first", r"alpha-(?P<what>\w+)", "error", 3),
+                          _entry("zz-second", r"beta-(?P<what>\w+)", "error", 3),
+                          _entry("zz-worse", r"gamma-(?P<what>\w+)", "fatal", 3)])
+    tb = ["Traceback (most recent call last):", *FRAME]
+    [m] = run_lines(cat, "\n".join([*tb, "RuntimeError: alpha-one beta-two"]))
+    # a tie (same severity and priority): the first in catalogue order wins, the other is `also`
+    assert (m.signature, m.also, m.title, m.groups) == ("zz-first", ["zz-second"], "zz-first: one", {"what": "one"})
+    assert m.text == "RuntimeError: alpha-one beta-two" and m.kind == "traceback"
+    [m] = run_lines(cat, "\n".join([*tb, "RuntimeError: beta-two gamma-three alpha-one"]))
+    assert (m.signature, m.severity, sorted(m.also)) == ("zz-worse", "fatal", ["zz-first", "zz-second"])
+    [m] = run_lines(cat, "\n".join(tb))  # no exception line: the header is the event's text
+    assert (m.signature, m.text, m.exception, m.also) == ("unclassified-traceback", tb[0], None, [])
