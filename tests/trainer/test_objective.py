@@ -185,8 +185,10 @@ def test_loss_metrics_are_consistent_on_packed_rows(qwen3_target):
 def test_flex_backend_refuses_cpu_training_with_a_fix(qwen3_target):
     torch.manual_seed(0)
     drafter = DFlashDrafter.from_target(small_model_config(attention_backend="flex"), qwen3_target, MASK_ID)
-    with pytest.raises(ValueError, match="use 'auto' or 'sdpa'"):
+    with pytest.raises(ValueError) as info:
         dflash_loss(drafter, _hand_batch(), num_anchors=3, gamma=GAMMA, anchors=(ANCHORS, KEEP))
+    assert str(info.value) == ("attention_backend 'flex' has no CPU backward in torch; use 'auto' or 'sdpa' "
+                               "for CPU training")
     with torch.no_grad():  # evaluation-style forward is fine
         out = dflash_loss(drafter, _hand_batch(), num_anchors=3, gamma=GAMMA, anchors=(ANCHORS, KEEP))
     assert torch.isfinite(out.loss)
@@ -203,3 +205,12 @@ def test_default_gamma_is_the_papers_table_else_block_over_2_3():
     assert [default_gamma(bs) for bs in (16, 10, 8)] == [7.0, 5.0, 4.0]
     assert default_gamma(23) == pytest.approx(10.0) and default_gamma(4) == pytest.approx(4 / 2.3)
     assert default_gamma(2) == 1.0  # bs/2.3 = 0.87 is raised to 1
+
+
+def test_a_gamma_of_zero_or_less_is_refused_by_value(qwen3_target):
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(small_model_config(), qwen3_target, MASK_ID)
+    for bad in (0, 0.0, -1.5):
+        with pytest.raises(ValueError) as info:
+            dflash_loss(drafter, _hand_batch(), num_anchors=3, gamma=bad, anchors=(ANCHORS, KEEP))
+        assert str(info.value) == f"gamma must be > 0, got {bad}"
