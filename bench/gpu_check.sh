@@ -7,8 +7,8 @@
 # 1. the cuda-marked tests (every test file that carries @pytest.mark.cuda);
 # 2. the trainer's warm-up (python -m trainer.warmup) twice at Qwen3-8B drafter size in fresh processes
 #    sharing one empty inductor cache: compile seconds and cache hits cold, then warm;
-# 3. bench/gpu_step.py: a drafter training step with SDPA, compiled flex, and compiled flex + compiled
-#    forward, at the longest row that fits: tokens/s, TFLOP/s and MFU against the GPU's dense bf16 peak.
+# 3. bench/gpu_step.py: a drafter training step (bf16-mixed, as the trainer on a GPU) with SDPA, compiled flex, and
+#    compiled flex + compiled forward, at the longest row that fits: tokens/s, TFLOP/s, MFU (dense bf16 peak).
 #
 # Without a CUDA GPU it says so and exits 0. Exit 1 when a part failed (each part still runs).
 # Python modules the trainer and pytest need but a bare GPU image may lack (pydantic, pytest) are taken from

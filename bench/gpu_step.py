@@ -2,14 +2,16 @@
 
 Called by bench/gpu_check.sh; runnable on its own:
 
-    python bench/gpu_step.py step [--size qwen3-8b|tiny] [--device cuda|cpu] [--lengths 16384,8192,4096]
+    python bench/gpu_step.py step [--size qwen3-8b|tiny] [--device cuda|cpu] [--precision auto] [--lengths 16384,8192]
     python bench/gpu_step.py warmup-config DIR [--size ...] [--row-len N]   # files for `python -m trainer.warmup`
+    python bench/gpu_step.py warmup-summary LOG [--label TEXT]             # one line from a warm-up's log
 
 A step is what a drafter rank does per batch: `trainer.objective.dflash_loss` (anchors, masked blocks, the
-drafter forward, decayed CE through the frozen LM head), backward, AdamW step. Each backend is timed over
-`--steps` steps after two untimed ones (the first compiles). The row length is the longest of `--lengths`
-that fits in memory (an out-of-memory step moves to the next shorter length), found per backend; the ratio
-flex/SDPA is printed at the longest length both ran.
+drafter forward, decayed CE through the frozen LM head) under the trainer's precision (`auto`: bf16-mixed on
+CUDA, fp32 on the CPU; trainer/precision.py), backward, AdamW step. Each backend is timed over `--steps`
+steps after two untimed ones (the first compiles). The row length is the longest of `--lengths` that fits in
+memory (an out-of-memory step moves to the next shorter length), found per backend; a backend that fits a
+longer row than SDPA is measured again at SDPA's row, and the ratio to SDPA is printed there.
 
 tokens/s counts the packed row's tokens (what the trainer's `tokens_per_s` counts). MFU = model FLOPs per
 step / step time / the GPU's dense bf16 peak. The FLOP count is our own, from the drafter's geometry
@@ -18,7 +20,7 @@ LM head (input gradient only) and for fc (weight gradient only: features carry n
 the key/query pairs the DFlash mask lets through (what flex computes; SDPA also computes the masked ones);
 the checkpointed LM-head chunks' recompute is not counted (model FLOPs, not hardware FLOPs). Norms, RoPE,
 softmax and the optimizer are left out (well under 1% here). tests/bench/test_gpu_check.py checks the
-forward part against torch's own FlopCounterMode on the tiny size.
+matmul part, forward and backward, against torch's own FlopCounterMode on the tiny size.
 """
 
 from __future__ import annotations
@@ -49,15 +51,15 @@ class Geometry:
     target_layers: int
     vocab: int
     anchors: int
-    dtype: str
+    precision: str
     lengths: tuple[int, ...]
 
 
 SIZES = {
     # Qwen3-8B-DFlash-b16: the target's hidden size, 5 draft layers, 32/8 heads of 128, block 16, 5 taps of
     # 36 target layers, 512 anchors per row (docs/dflash.md).
-    "qwen3-8b": Geometry(4096, 12288, 5, 32, 8, 128, 16, 5, 36, 151936, 512, "bfloat16", (32768, 16384, 8192, 4096, 2048)),
-    "tiny": Geometry(64, 128, 2, 4, 2, 16, 4, 3, 6, 256, 8, "float32", (128, 64)),
+    "qwen3-8b": Geometry(4096, 12288, 5, 32, 8, 128, 16, 5, 36, 151936, 512, "auto", (32768, 16384, 8192, 4096, 2048)),
+    "tiny": Geometry(64, 128, 2, 4, 2, 16, 4, 3, 6, 256, 8, "auto", (128, 64)),
 }
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, in TFLOPS; the first name contained
@@ -120,9 +122,12 @@ class _Frozen:
 
 
 def build_drafter(g: Geometry, backend: str, device: torch.device):
-    """A DFlashDrafter of geometry ``g`` with the given attention backend, on ``device``."""
+    """A DFlashDrafter of geometry ``g`` with the given attention backend, on ``device``: its weights in the
+    precision's master dtype, the borrowed embedding and head in the target's dtype (as the trainer has them)."""
     from trainer.config import default_target_layer_ids
     from trainer.model import DFlashDrafter, DrafterConfig
+    from trainer.precision import resolve_precision
+    from trainer.setup import target_dtype
 
     cfg = DrafterConfig(
         hidden_size=g.hidden, intermediate_size=g.intermediate, num_layers=g.layers,
@@ -130,9 +135,9 @@ def build_drafter(g: Geometry, backend: str, device: torch.device):
         block_size=g.block, mask_token_id=g.vocab - 1,
         target_layer_ids=tuple(default_target_layer_ids(g.target_layers, g.features)),
         num_target_layers=g.target_layers, vocab_size=g.vocab, rope_theta=1e6,
-        attention_backend=backend, dtype=g.dtype,
+        attention_backend=backend, dtype=resolve_precision(g.precision, device).master_dtype_name,
     )  # fmt: skip
-    parts = _Frozen(g, device, getattr(torch, g.dtype))
+    parts = _Frozen(g, device, target_dtype(device))
     with torch.device(device):  # initialise the ~1 B parameters where they live, not on the CPU first
         return DFlashDrafter(cfg, parts.embed_tokens, parts.lm_head)
 
@@ -140,9 +145,11 @@ def build_drafter(g: Geometry, backend: str, device: torch.device):
 def make_batch(g: Geometry, rows: int, row_len: int, device: torch.device):
     """The warm-up's synthetic packed batch (trainer.warmup.synthetic_batch) and fixed anchors for it."""
     from trainer.objective import sample_anchors
+    from trainer.setup import target_dtype
     from trainer.warmup import Shape, synthetic_batch
 
-    batch = synthetic_batch(Shape(rows, row_len, g.anchors), g.features * g.hidden, g.vocab, device, getattr(torch, g.dtype))
+    # Features arrive in the target's dtype, as a target rank sends them.
+    batch = synthetic_batch(Shape(rows, row_len, g.anchors), g.features * g.hidden, g.vocab, device, target_dtype(device))
     anchors = sample_anchors(batch, g.anchors, g.block, torch.Generator(device=device).manual_seed(0))
     return batch, anchors
 
@@ -159,15 +166,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()  # CPU-GPU sync point: a step's time must include its kernels
 
 
-def time_steps(drafter, batch, anchors, steps: int, gamma: float = 7.0) -> tuple[float, int]:
-    """Seconds per step (mean of ``steps`` after two untimed ones) and the supervised slot count."""
+def time_steps(drafter, batch, anchors, steps: int, precision, gamma: float = 7.0) -> tuple[float, int]:
+    """Seconds per step (mean of ``steps`` after two untimed ones) and the supervised slot count.
+
+    The forward and the loss run in ``precision.autocast()`` (a trainer.precision.Precision), the backward
+    outside it, as trainer.loop does."""
     from trainer.objective import dflash_loss
 
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     device = drafter.device
 
     def one() -> int:
-        out = dflash_loss(drafter, batch, num_anchors=anchors[0].shape[1], gamma=gamma, anchors=anchors)
+        with precision.autocast():
+            out = dflash_loss(drafter, batch, num_anchors=anchors[0].shape[1], gamma=gamma, anchors=anchors)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -190,17 +201,19 @@ def _oom(exc: BaseException) -> bool:
 def measure(g: Geometry, name: str, device: torch.device, rows: int, row_len: int, steps: int, peak: float | None) -> dict:
     """One backend at one row length: seconds per step, tokens/s, TFLOP/s, MFU, peak memory."""
     from trainer.config import CompileConfig
+    from trainer.precision import resolve_precision
     from trainer.warmup import compile_drafter
 
+    precision = resolve_precision(g.precision, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     drafter = build_drafter(g, name.split("+")[0], device)
     compile_drafter(drafter, CompileConfig(enabled=name.endswith("+compile")))
     batch, anchors = make_batch(g, rows, row_len, device)
-    sec, supervised = time_steps(drafter, batch, anchors, steps)
+    sec, supervised = time_steps(drafter, batch, anchors, steps, precision)
     flops = step_flops(g, rows, row_len, supervised, visible_pairs(g, batch, anchors))
     return {
-        "backend": name, "row_len": row_len, "rows": rows, "step_s": sec,
+        "backend": name, "precision": precision.name, "row_len": row_len, "rows": rows, "step_s": sec,
         "tokens_per_s": rows * row_len / sec, "tflops_per_s": flops["total"] / sec / 1e12,
         "mfu": None if peak is None else flops["total"] / sec / (peak * 1e12), "flops": flops,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
@@ -244,7 +257,9 @@ def _line(rec: dict) -> str:
 
 
 def step_main(a: argparse.Namespace) -> int:
-    g = SIZES[a.size]
+    from trainer.precision import resolve_precision
+
+    g = Geometry(**{**asdict(SIZES[a.size]), "precision": a.precision})
     if a.lengths:
         g = Geometry(**{**asdict(g), "lengths": tuple(int(x) for x in a.lengths.split(","))})
     device = torch.device(a.device)
@@ -258,7 +273,8 @@ def step_main(a: argparse.Namespace) -> int:
     peak_txt = f"{peak:.0f} TFLOPS" if peak else "unknown: pass --peak-tflops" if device.type == "cuda" else "n/a on the CPU"
     print(f"device {name}; dense bf16 peak {peak_txt}")
     print(f"size {a.size}: hidden {g.hidden}, {g.layers} layers, {g.heads}/{g.kv_heads} heads x {g.head_dim}, "
-          f"block {g.block}, {g.anchors} anchors/row, {g.features} target features, {g.dtype}")  # fmt: skip
+          f"block {g.block}, {g.anchors} anchors/row, {g.features} target features, precision "
+          f"{resolve_precision(g.precision, device).name}")  # fmt: skip
     if device.type == "cuda":
         import torch._dynamo as dynamo  # `as`: a bare `import torch._dynamo` would make torch local here
 
@@ -318,8 +334,7 @@ def warmup_config(a: argparse.Namespace) -> int:
     train = {
         "model": {"target": str(d / "target"), "block_size": g.block, "num_draft_layers": g.layers,
                   "num_target_features": g.features, "mask_token_id": g.vocab - 1},
-        # the warm-up compiles the step this script times: the drafter's weights in g.dtype, no autocast
-        "precision": {"bfloat16": "bf16-true", "float32": "fp32"}[g.dtype],
+        "precision": g.precision,  # the warm-up compiles the step this script times, in the same precision
         "data": {"max_len": row, "token_budget": row, "max_batch_size": 1, "num_anchors": g.anchors},
         "compile": {"enabled": True, "cache_dir": str(d / "inductor")},
         "output_dir": str(d / "out"),
@@ -360,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     s.add_argument("--backends", default="", help="comma list of sdpa, flex, flex+compile, sdpa+compile")
     s.add_argument("--lengths", default="", help="row lengths to try, longest first (default: by size)")
+    from trainer.config import PRECISIONS
+
+    s.add_argument("--precision", choices=sorted(PRECISIONS), default="auto",
+                   help="as the trainer's setting (auto: bf16-mixed on CUDA, fp32 on the CPU; trainer/precision.py)")
     s.add_argument("--rows", type=int, default=1)
     s.add_argument("--steps", type=int, default=5)
     s.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not in the table")

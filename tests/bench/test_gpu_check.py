@@ -54,7 +54,7 @@ def test_step_on_cpu_at_the_tiny_size_reports_tokens_per_s_and_flops(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["device"] == "cpu" and rep["size"] == "tiny"
     (rec,) = rep["results"]
-    assert rec["backend"] == "sdpa" and rec["row_len"] == 64 and rec["rows"] == 1
+    assert rec["backend"] == "sdpa" and rec["row_len"] == 64 and rec["rows"] == 1 and rec["precision"] == "fp32"
     assert rec["tokens_per_s"] == pytest.approx(64 / rec["step_s"])
     assert rec["flops"]["total"] == sum(v for k, v in rec["flops"].items() if k != "total") > 0
     assert "sdpa          row     64:" in r.stdout
@@ -120,7 +120,11 @@ def test_warmup_config_at_qwen3_8b_size_is_a_valid_train_config(tmp_path):
     assert _gpu_step().main(["warmup-config", str(tmp_path), "--size", "qwen3-8b", "--row-len", "4096"]) == 0
     cfg = load_config(tmp_path / "train.json")
     assert [s.to_dict() for s in training_shapes(cfg)] == [{"rows": 1, "row_len": 4096, "num_anchors": 512}]
-    assert cfg.compile.enabled and cfg.precision == "bf16-true" and cfg.model.num_draft_layers == 5
+    from trainer.precision import resolve_precision
+
+    assert cfg.compile.enabled and cfg.model.num_draft_layers == 5
+    # The warm-up compiles what the timed step runs: the trainer's own default, bf16-mixed on the GPU.
+    assert cfg.precision == "auto" and resolve_precision(cfg.precision, "cuda").name == "bf16-mixed"
     tc = AutoConfig.from_pretrained(cfg.model.target)
     assert (tc.hidden_size, tc.num_hidden_layers, tc.num_attention_heads, tc.num_key_value_heads) == (4096, 36, 32, 8)
     from trainer.features import rope_theta_of
@@ -164,3 +168,26 @@ def test_a_backend_that_ran_a_longer_row_is_measured_again_at_sdpas_row():
     assert [(r["backend"], r["row_len"]) for r in extra] == [("sdpa+same", 64)]
     assert extra[0]["tokens_per_s"] == pytest.approx(64 / extra[0]["step_s"])
     assert gs.at_baseline_length(g, results, cpu, 1, 1, None, deadline=0.0) == []
+
+
+def test_a_bf16_mixed_step_keeps_float32_master_weights():
+    """--precision bf16-mixed (the GPU default): the step runs under bf16 autocast, the drafter's weights and
+    AdamW state stay float32, as trainer.loop trains."""
+    import dataclasses
+
+    gs = _gpu_step()
+    g = dataclasses.replace(gs.SIZES["tiny"], precision="bf16-mixed")
+    cpu = torch.device("cpu")
+    drafter = gs.build_drafter(g, "sdpa", cpu)
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+    seen = []
+    drafter.layers[0].register_forward_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    batch, anchors = gs.make_batch(g, 1, 64, cpu)
+    from trainer.precision import resolve_precision
+
+    gs.time_steps(drafter, batch, anchors, 1, resolve_precision("bf16-mixed", cpu))
+    assert seen == [True] * 3  # two untimed steps and one timed, each forward under bf16 autocast
+    seen.clear()
+    gs.time_steps(drafter, batch, anchors, 1, resolve_precision("fp32", cpu))
+    assert seen == [False] * 3
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
