@@ -40,7 +40,7 @@ def floor(module: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 1 else module
 
 
-# What each floor may not import (DESIGN.md: arrows point down; the agent runs in the container on the
+# What each floor may not import (docs/architecture.md: arrows point down; the agent runs in the container on the
 # standard library, the bundle and libtmux; the trainer knows nothing of the orchestrator).
 FORBIDDEN = {
     "orchestrator.agent": ("orchestrator.cli", "orchestrator.commands", "orchestrator.ops", "orchestrator.inventory",
