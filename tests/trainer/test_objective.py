@@ -92,8 +92,31 @@ def test_loss_is_the_weighted_mean_of_slot_cross_entropies(qwen3_target, gamma):
     assert torch.allclose(out.loss, num / den, atol=1e-5)
     assert out.n_tokens == 6 and out.weight_sum.item() == pytest.approx(den)
     assert out.slot_count.tolist() == [2.0, 3.0, 1.0]
+    # the metrics from the same logits: hits per slot, and each block's run of hits from slot 1
+    pred = logp.argmax(-1)
+    hit = {(b, k): bool(pred[b, k] == y) for b, k, y, _ in terms}
+    assert out.slot_correct.tolist() == [float(sum(hit[b, k] for b, k, *_ in terms if k == s)) for s in (1, 2, 3)]
+    runs = [next((k - 1 for k in (1, 2, 3) if not hit.get((b, k), False)), 3) for b in range(3)]
+    assert out.accept_sum.item() == sum(1 + r for r in runs) and out.n_blocks.item() == 3
+    assert out.sim_accept_len.item() == pytest.approx(sum(1 + r for r in runs) / 3)
     out.loss.backward()
     assert torch.isfinite(drafter.fc.weight.grad).all() and drafter.fc.weight.grad.abs().sum() > 0
+
+
+def test_one_block_with_one_supervised_slot_of_weight_below_one(qwen3_target):
+    """Anchor 5 of the hand batch: only slot 2 (token 17, weight exp(-1/γ) < 1) is supervised. The loss is that
+    slot's CE whatever its weight (the denominator is not clamped up to 1), and one kept block is one block."""
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(small_model_config(), qwen3_target, MASK_ID)
+    batch = _hand_batch(qwen3_target.features(torch.randint(0, MASK_ID, (1, 12))))
+    anchors, keep = torch.tensor([[5]]), torch.tensor([[True]])
+    out = dflash_loss(drafter, batch, num_anchors=1, gamma=GAMMA, anchors=(anchors, keep))
+    noise, pos = block_inputs(batch, anchors, keep, BS, MASK_ID)
+    hidden = drafter(noise, batch.target_hidden, pos, dense_mask(anchors, keep, batch.doc_ids, BS))
+    logp = F.log_softmax(drafter.logits(hidden).float(), -1).view(BS, -1)
+    assert out.weight_sum.item() == pytest.approx(SLOT_WEIGHTS[GAMMA][0]) and out.n_tokens == 1
+    assert out.loss.item() == pytest.approx(-logp[2, 17].item(), rel=1e-6)
+    assert (out.n_blocks.item(), out.accept_sum.item(), out.sim_accept_len.item()) == (1.0, 1.0, 1.0)
 
 
 def test_simulated_acceptance_by_hand():
