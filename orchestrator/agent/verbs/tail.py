@@ -29,6 +29,7 @@ import base64
 import time
 
 from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.requests import TailRequest
 from orchestrator.ownlines import RUN_JSON_KEY, valid_mark
 from orchestrator.agent.runs import parse_records, read_exit, resolve_run, run_alive, state_of, stopped_by
 from orchestrator.agent.tailer import DirWatcher, LineCursor, last_good_baseline, tail_offset
@@ -51,34 +52,25 @@ def _metrics_event(emit, start: int, chunk: bytes) -> None:
     emit.event("metrics", offset=start, next=start + len(chunk), records=records, invalid=invalid)
 
 
-def _int(request: dict, key: str, default):
-    value = request.get(key, default)
-    if value is None:
-        return None
-    try:
-        out = int(value)
-    except (TypeError, ValueError):
-        raise AgentFailure("BadRequest", f"tail: {key} must be an integer, got {value!r}") from None
-    if out < 0:
-        raise AgentFailure("BadRequest", f"tail: {key} must be >= 0, got {out}")
-    return out
+def _not_negative(req: TailRequest) -> None:
+    for key in ("offset", "tail", "metrics_offset"):
+        value = getattr(req, key)
+        if value is not None and value < 0:
+            raise AgentFailure("BadRequest", f"tail: {key} must be >= 0, got {value}")
 
 
 def run(request: dict, emit) -> dict:
-    workdir = request["workdir"]
-    ref = resolve_run(workdir, request.get("run_id"), request.get("experiment"))
-    follow = bool(request.get("follow", False))
-    offset = _int(request, "offset", 0)
-    tail = _int(request, "tail", None)
-    poll = float(request.get("poll", 0.05))
-    heartbeat = float(request.get("heartbeat", 2.0))
-    if offset == 0 and tail is not None:
-        offset = tail_offset(ref.log, tail)
+    req = TailRequest.from_json(request)
+    _not_negative(req)
+    workdir, follow, offset, poll, heartbeat = req.workdir, req.follow, req.offset, req.poll, req.heartbeat
+    ref = resolve_run(workdir, req.run_id, req.experiment)
+    if offset == 0 and req.tail is not None:
+        offset = tail_offset(ref.log, req.tail)
 
     log = LineCursor(ref.log, offset)
-    want_metrics = bool(request.get("metrics", follow))
-    metrics = LineCursor(ref.metrics, _int(request, "metrics_offset", 0)) if want_metrics else None
-    baseline = last_good_baseline(workdir, ref) if request.get("baseline") else None
+    want_metrics = follow if req.metrics is None else req.metrics
+    metrics = LineCursor(ref.metrics, req.metrics_offset) if want_metrics else None
+    baseline = last_good_baseline(workdir, ref) if req.baseline else None
     emit.event("run", run_id=ref.run_id, experiment=ref.experiment, session=ref.session, offset=offset,
                baseline=baseline, log_mark=valid_mark(ref.info.get(RUN_JSON_KEY)))
 

@@ -21,16 +21,18 @@ from pathlib import Path
 
 from orchestrator.agent import claims, gpu, runs
 from orchestrator.agent import warmup as warmups
-from orchestrator.agent.protocol import AgentFailure, need
+from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.requests import WarmupRequest
 
 _DROP_ENV = ("TMUX", "TMUX_PANE", "CUDA_VISIBLE_DEVICES")
 
 
 def run(request: dict, emit) -> dict:
-    workdir = need(request, "workdir", str, "warmup")
-    experiment = runs.check_name("experiment", need(request, "experiment", str, "warmup"))
-    config = need(request, "config", dict, "warmup")
-    layout = request.get("layout") or config.get("layout") or {}
+    req = WarmupRequest.from_json(request)
+    workdir = req.workdir
+    experiment = runs.check_name("experiment", req.experiment)
+    config = req.config
+    layout = req.layout or config.get("layout") or {}
     drafters = [int(g) for g in layout.get("drafter_gpus") or []]
     targets: list[int | None] = list(drafters) or [None]  # a CPU layout: one warm-up on the CPU
     if not warmups.available():
@@ -47,8 +49,8 @@ def run(request: dict, emit) -> dict:
     try:
         if drafters:
             token = claims.claim(workdir, drafters, {"run_id": None, "experiment": experiment}, emit,
-                                 float(request.get("claim_wait_s", claims.DEFAULT_WAIT_S)))
-        threshold = int(request.get("gpu_idle_mib", 1024))
+                                 req.claim_wait_s)
+        threshold = req.gpu_idle_mib
         if drafters:
             gpu.preflight_gpus(drafters, threshold)
             emit.progress("gpus", f"drafter GPUs {drafters} idle (under {threshold} MiB)")
@@ -61,7 +63,7 @@ def run(request: dict, emit) -> dict:
         cache = config["compile"]["cache_dir"]
         base = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
         done = warmups.run_warmups(out / "config.json", targets, base, emit, log_path,
-                                   device=str(request.get("device") or "cuda"), cwd=out, cache_dir=cache)
+                                   device=req.device or "cuda", cwd=out, cache_dir=cache)
         runs.write_bytes(out / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
         return {"experiment": experiment, "dir": str(out), "config": str(out / "config.json"),
                 "cache_dir": cache, "warmups": done}
