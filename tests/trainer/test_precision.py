@@ -157,3 +157,41 @@ def test_a_checkpoint_resumes_under_another_precision(first, then, tiny_cache, t
     for idx, s in resumed["optimizer"]["state"].items():
         for k in ("exp_avg", "exp_avg_sq"):
             assert s[k].dtype == dtype and torch.equal(s[k], saved["optimizer"]["state"][idx][k].to(dtype))
+
+
+# ------------------------------------------------------------------------------- one step, each backend
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device, backend", [
+    ("cpu", "sdpa"),
+    pytest.param("cuda", "sdpa", marks=[pytest.mark.cuda, CUDA]),
+    pytest.param("cuda", "flex", marks=[pytest.mark.cuda, CUDA]),  # compiled flex_attention under autocast
+])
+def test_a_bf16_mixed_step_keeps_float32_masters_and_tracks_fp32(device, backend):
+    """One loss + backward under each precision's autocast, from the same float32 weights and anchors:
+    bf16-mixed's loss is near fp32's but not equal (bf16 matmuls), and its gradients are float32."""
+    from conftest import MASK_ID, build_hf_target, small_model_config
+
+    from trainer.features import TargetModel
+    from trainer.model import DFlashDrafter
+    from trainer.objective import PackedBatch, dflash_loss
+
+    target = TargetModel(build_hf_target("qwen3").to(device), [1, 2, 3])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(small_model_config(attention_backend=backend), target, MASK_ID, "float32")
+    ids = torch.randint(0, MASK_ID, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    pos = torch.arange(64, device=device).expand(2, 64)
+    batch = PackedBatch(ids, torch.ones_like(ids), torch.zeros_like(ids), pos, target.features(ids))
+    losses, grads = {}, {}
+    for name in ("fp32", "bf16-mixed"):
+        drafter.zero_grad(set_to_none=True)
+        with resolve_precision(name, device).autocast():
+            res = dflash_loss(drafter, batch, num_anchors=8, gamma=4.0, generator=torch.Generator().manual_seed(1))
+        res.loss.backward()
+        losses[name], grads[name] = res.loss.item(), drafter.fc.weight.grad
+    assert grads["bf16-mixed"].dtype == torch.float32 and drafter.fc.weight.dtype == torch.float32
+    assert torch.isfinite(grads["bf16-mixed"]).all()
+    assert losses["bf16-mixed"] != losses["fp32"] and losses["bf16-mixed"] == pytest.approx(losses["fp32"], rel=2e-2)
+    cos = torch.nn.functional.cosine_similarity(grads["bf16-mixed"].flatten(), grads["fp32"].flatten(), dim=0)
+    assert cos > 0.98, cos
