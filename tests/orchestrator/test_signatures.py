@@ -367,3 +367,15 @@ def test_the_winner_of_a_traceback_is_the_most_severe_then_the_first_in_catalogu
     assert (m.signature, m.severity, sorted(m.also)) == ("zz-worse", "fatal", ["zz-first", "zz-second"])
     [m] = run_lines(cat, "\n".join(tb))  # no exception line: the header is the event's text
     assert (m.signature, m.text, m.exception, m.also) == ("unclassified-traceback", tb[0], None, [])
+
+
+def test_lines_fed_with_their_newline_and_progress_bars_before_a_header(catalogue):
+    m = Matcher(catalogue)
+    events = []
+    for line in ["step 1\n", " 10%|#    | 1/10\r 20%|##   | 2/10\rTraceback (most recent call last):\n",
+                 f"{FRAME[0]}\n", f"{FRAME[1]}\n", "ValueError: boom\n"]:
+        events += m.feed_line(line)
+    [ev] = events + m.finish()
+    # the header starts the event at its own segment: no progress text, no newline kept, line 2
+    assert ev.lines == ["Traceback (most recent call last):", *FRAME, "ValueError: boom"]
+    assert (ev.line_no, ev.end_line_no, ev.exception) == (2, 5, "ValueError: boom")
