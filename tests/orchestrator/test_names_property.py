@@ -181,3 +181,10 @@ def test_a_refused_run_reference_says_where_to_copy_a_real_one():
     assert info.value.message == (f"bad run id or experiment 'exp-1\\n': use 1-{names.RUN_ID_MAX} characters "
                                   f"from {names.RULE}")
     assert info.value.fix == "copy the run id from `dflashctl runs` or `dflashctl status`"
+
+
+@pytest.mark.parametrize("word, ok", [("user", True), ("host.example.org", True), ("a@b:22", True), ("", False),
+                                      ("-oProxyCommand=id", False), ("a b", False), ("a\tb", False),
+                                      ("a\nb", False), ("a\x1bb", False), ("\u00a0x", False)])
+def test_an_ssh_word_is_printable_has_no_space_and_is_no_option(word, ok):
+    assert names.is_ssh_word(word) is ok
