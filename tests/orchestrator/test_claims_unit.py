@@ -195,8 +195,10 @@ def test_a_holder_that_never_wrote_its_name_is_described(tmp_path):
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        with pytest.raises(AgentFailure, match="a launch that has not written its name yet"):
+        with pytest.raises(AgentFailure) as info:
             agent_runs.LaunchLock(tmp_path, "exp").acquire({"pid": 1})
+        assert info.value.message == (f"another launch of experiment exp holds {lock_file}: a launch that has not "
+                                      "written its name yet")
     finally:
         os.close(fd)
     with pytest.raises(AgentFailure, match="bad experiment name"):
@@ -264,3 +266,17 @@ def test_promote_restamps_since(tmp_path):
     claims.promote(tmp_path, token, "a-1")
     since = on_disk(tmp_path)["2"]["since"]
     assert since != "2000-01-01T00:00:00Z" and since.startswith("20") and since.endswith("Z")
+
+
+def test_the_first_lock_makes_its_directories_and_a_0644_file_and_an_unused_lock_releases_nothing(tmp_path):
+    workdir = tmp_path / "not" / "yet"
+    lock = agent_runs.LaunchLock(workdir, "exp")
+    lock.release()  # never acquired: nothing to release, no error
+    old = os.umask(0o022)
+    try:
+        lock.acquire({"pid": 1})
+    finally:
+        os.umask(old)
+    path = workdir / "locks" / "exp.lock"
+    assert (path.stat().st_mode & 0o777) == 0o644 and json.loads(path.read_text()) == {"pid": 1}
+    lock.release()
