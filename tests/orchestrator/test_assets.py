@@ -43,10 +43,17 @@ def test_the_bundle_carries_the_templates_where_the_wheel_does(tmp_path):
 
 
 def test_a_wheel_carries_every_module_and_template(tmp_path):
-    """A non-editable build: every package module and every template is in the wheel, at orchestrator/templates."""
+    """A non-editable build: every package module and every template is in the wheel, at orchestrator/templates.
+    Built from a copy of the tree (setuptools writes build/ beside the sources), links kept as git has them."""
+    import shutil
+
+    src = tmp_path / "src"
+    for name in ("orchestrator", "trainer", "templates"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"), symlinks=True)
+    for name in ("pyproject.toml", "README.md", "inventory.yaml"):
+        shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO)], check=True, timeout=300, capture_output=True,
-                   cwd=tmp_path)
+                    "-w", str(tmp_path), str(src)], check=True, timeout=300, capture_output=True, cwd=tmp_path)
     (wheel,) = tmp_path.glob("dflashctl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in SHIPPED:
