@@ -199,8 +199,39 @@ class OptimConfig(_Strict):
     """Global grad-norm clip."""
 
 
+class NodeLayoutConfig(_Strict):
+    """One node of a layout across nodes (a container or host running one elastic agent)."""
+
+    target_gpus: list[int] = []
+    """GPUs of this node (its nvidia-smi indices) that each run one frozen-target process."""
+    drafter_gpus: list[int] = []
+    """GPUs of this node that each run one drafter-training process."""
+    num_target_procs: int = Field(0, ge=0)
+    """CPU only: target processes on this node."""
+    num_drafter_procs: int = Field(0, ge=0)
+    """CPU only: drafter processes on this node."""
+    name: str | None = None
+    """What the user calls this node (the inventory's target name): used in messages."""
+    addr: str | None = None
+    """The address the other nodes reach this node at (its ranks' store and gloo/NCCL peers may live here).
+    None: the rendezvous host for node 0, the node's host name (FQDN) for the others."""
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """`host:port` (IPv6 as `[addr]:port`) -> (host, port), or ValueError saying what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"rendezvous {text!r} must be HOST:PORT with a port 1-65535, e.g. 10.0.0.200:29400")
+    return host.strip("[]"), int(port)
+
+
 class LayoutConfig(_Strict):
     """Which process does what (validated through `trainer.layout.Layout`). Empty: colocated, one process."""
+
+    nodes: list[NodeLayoutConfig] = []
+    """A layout across nodes: each node's GPUs (then the top-level GPU lists stay empty)."""
+    rendezvous: str | None = None
+    """HOST:PORT of node 0's rendezvous, reachable from every node (needed with two or more nodes)."""
 
     target_gpus: list[int] = []
     """GPUs (nvidia-smi indices) that each run one frozen-target process."""
@@ -218,14 +249,23 @@ class LayoutConfig(_Strict):
     @model_validator(mode="after")
     def _valid_layout(self):
         self.to_layout()  # LayoutError is a ValueError: pydantic reports it under `layout`
+        if len(self.nodes) > 1 and not self.rendezvous:
+            raise ValueError(f"a layout across {len(self.nodes)} nodes needs `rendezvous: HOST:PORT` (node 0's "
+                             "address as the other nodes reach it, and a free port there, e.g. 10.0.0.200:29400)")
+        if self.rendezvous:
+            parse_endpoint(self.rendezvous)
         return self
 
     def to_layout(self):
         """The validated `trainer.layout.Layout` (raises LayoutError with the fix)."""
         from trainer.layout import Layout
 
+        from trainer.layout import NodeSpec
+
+        nodes = tuple(NodeSpec(tuple(n.target_gpus), tuple(n.drafter_gpus), n.num_target_procs, n.num_drafter_procs,
+                               n.name) for n in self.nodes)
         return Layout(
-            tuple(self.target_gpus), tuple(self.drafter_gpus), self.num_target_procs, self.num_drafter_procs
+            tuple(self.target_gpus), tuple(self.drafter_gpus), self.num_target_procs, self.num_drafter_procs, nodes
         )
 
 

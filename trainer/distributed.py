@@ -1,8 +1,11 @@
 """torch.distributed for the trainer: where this rank sits, its device, process groups, the feature protocol.
 
 torch's elastic launcher (trainer.launch) starts one process per rank and gives each its RANK, LOCAL_RANK,
-WORLD_SIZE, GROUP_RANK (the node) and the rendezvous address; `read_rank_env` reads them, in this one
-place. Ranks 0..T-1 run the frozen target, ranks T..T+D-1 train the drafter under DDP
+WORLD_SIZE and the store's address (MASTER_ADDR, MASTER_PORT); trainer.launch adds DFLASH_NODE, the node's
+index in the layout; `read_rank_env` reads them, in this one place. torch numbers nodes (and so RANK) in
+the order its rendezvous sorts them (by address and pid), not in the layout's order, so a rank's place in the
+layout is (DFLASH_NODE, LOCAL_RANK) and `init_world` joins the process group under that layout rank; torch's
+RANK 0 only decides who hosts the store at MASTER_ADDR:MASTER_PORT. Ranks 0..T-1 run the frozen target, ranks T..T+D-1 train the drafter under DDP
 (trainer.layout.Layout says who is who). NCCL on GPUs, gloo on CPU: the same code runs in the CPU tests with
 several processes. A world of one (the colocated layout) initialises no process group at all.
 
@@ -40,18 +43,27 @@ class DistributedError(RuntimeError):
 
 
 class PeerLostError(RuntimeError):
-    """A call that waits on other ranks failed: usually because another rank failed first."""
+    """A call that waits on other ranks failed: usually because another rank failed first.
+
+    Attributes:
+        peer: the one rank the call waited on (point-to-point), None for a collective.
+    """
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 @contextlib.contextmanager
-def talking_to(what: str) -> Iterator[None]:
-    """Mark a call that waits on peers: any error inside is re-raised as PeerLostError (chained)."""
+def talking_to(what: str, peer: int | None = None) -> Iterator[None]:
+    """Mark a call that waits on peers (`peer`: the one rank it waits on, if one): any error inside is
+    re-raised as PeerLostError (chained)."""
     try:
         yield
     except PeerLostError:
         raise
     except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise plain RuntimeErrors here
-        raise PeerLostError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise PeerLostError(f"{what}: {type(exc).__name__}: {exc}", peer) from exc
 
 
 # -- rank environment (read in this one place) --------------------------------------------------------
@@ -63,7 +75,7 @@ class RankEnv:
         rank: global rank.
         world_size: processes in the run.
         local_rank: index of this process on its node.
-        node: the node's rank in the rendezvous (GROUP_RANK; 0 on one host).
+        node: the node's index in the layout (DFLASH_NODE; 0 on one host).
     """
 
     rank: int
@@ -72,8 +84,15 @@ class RankEnv:
     node: int = 0
 
 
+FINISH_TAG = 7
+"""The point-to-point tag of World.finish (the feature messages use 0-2)."""
+
+NODE_ENV = "DFLASH_NODE"
+"""The node's index in the layout, set by trainer.launch for its ranks."""
+
+
 def read_rank_env(environ: Mapping[str, str] | None = None) -> RankEnv:
-    """Read RANK, WORLD_SIZE, LOCAL_RANK and GROUP_RANK (the last two default to RANK and 0).
+    """Read RANK, WORLD_SIZE, LOCAL_RANK and DFLASH_NODE (the last two default to RANK and 0).
 
     Raises:
         DistributedError: RANK or WORLD_SIZE is missing, or a value is not a number.
@@ -86,9 +105,9 @@ def read_rank_env(environ: Mapping[str, str] | None = None) -> RankEnv:
         )
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local, node = int(env.get("LOCAL_RANK", rank)), int(env.get("GROUP_RANK", 0))
+        local, node = int(env.get("LOCAL_RANK", rank)), int(env.get(NODE_ENV, 0))
     except ValueError as exc:
-        raise DistributedError(f"RANK / WORLD_SIZE / LOCAL_RANK / GROUP_RANK must be integers: {exc}") from None
+        raise DistributedError(f"RANK / WORLD_SIZE / LOCAL_RANK / {NODE_ENV} must be integers: {exc}") from None
     if not 0 <= rank < world:
         raise DistributedError(f"RANK {rank} outside WORLD_SIZE {world}")
     return RankEnv(rank, world, local, node)
@@ -161,6 +180,42 @@ class World:
         return int(t.item())
 
 
+    def finish(self) -> None:
+        """Across nodes, no rank ends before every rank is done: rank 0 hears from every other rank, then
+        answers each (point-to-point, so a rank that is gone is named as the peer). Without it a node whose
+        ranks finished early (a target rank that sent every batch) would wait in torch's exit barrier and
+        then report success while another node had died. One node: nothing (its agent sees every rank)."""
+        if self.layout.num_nodes == 1:
+            return
+        token = torch.zeros(1, device=self.device)
+        others = range(1, self.layout.world_size)
+        if self.rank == 0:
+            for r in others:
+                with talking_to(f"waiting for rank {r} to finish", r):
+                    dist.recv(token, src=r, tag=FINISH_TAG)
+            for r in others:
+                with talking_to(f"telling rank {r} that every rank finished", r):
+                    dist.send(token, dst=r, tag=FINISH_TAG)
+            return
+        with talking_to("telling rank 0 that this rank finished", 0):
+            dist.send(token, dst=0, tag=FINISH_TAG)
+        with talking_to("waiting for rank 0 to end the run", 0):
+            dist.recv(token, src=0, tag=FINISH_TAG)
+
+    def sample_share(self):
+        """What load_assets shares the training samples with (None: one node, they travel as a file)."""
+        return self.share_samples if self.layout.num_nodes > 1 else None
+
+    def share_samples(self, samples: list | None) -> list:
+        """Rank 0 (the first target rank, which builds the samples) broadcasts them to every rank: across nodes
+        the run directories are not one, so the file the ranks of one host wait for never appears there.
+        Every rank calls this; it waits up to layout.timeout_s for rank 0 to build them."""
+        box = [samples if self.rank == 0 else None]
+        with talking_to("receiving the training samples from rank 0", None if self.rank == 0 else 0):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
 def single_world(layout: Layout, device: torch.device | None = None) -> World:
     """The world of one process (the colocated layout run in-process): no process group."""
     if layout.world_size != 1:
@@ -169,29 +224,39 @@ def single_world(layout: Layout, device: torch.device | None = None) -> World:
     return World(RankEnv(0, 1), layout, dev)
 
 
-def init_world(layout: Layout, env: RankEnv, timeout_s: int) -> World:
+def init_world(layout: Layout, env: RankEnv, timeout_s: int, environ: Mapping[str, str] | None = None) -> World:
     """Pick this rank's device, join the world (NCCL on GPUs, gloo on CPU) and create the drafter group.
 
-    Every rank must call this (group creation is collective). The rendezvous address comes from the
-    environment the launcher set (MASTER_ADDR, MASTER_PORT).
+    Every rank must call this (group creation is collective). The process joins under its layout rank
+    (`layout.rank_of(node, local_rank)`); the store is torch's: hosted by the launcher's RANK 0 at
+    MASTER_ADDR:MASTER_PORT, as `init_method="env://"` would.
 
+    Returns:
+        The World, whose env.rank is the layout rank.
     Raises:
-        DistributedError: the world size disagrees with the layout, or a GPU layout sees no GPU.
+        DistributedError: the world size or this node's rank count disagrees with the layout, or a GPU layout
+            sees no GPU.
     """
+    from trainer.layout import LayoutError
+
     if env.world_size != layout.world_size:
         raise DistributedError(f"WORLD_SIZE {env.world_size} but the layout has {layout.world_size} ranks")
-    if env.local_rank != env.rank or env.node != 0:
-        # A layout's ranks are its positions on one host; across nodes they need a node -> ranks map first.
-        raise DistributedError(f"rank {env.rank} is local rank {env.local_rank} of node {env.node}: layouts across "
-                               "several nodes are not supported yet; list every GPU of one host")
-    device = select_device(layout, env.rank)
+    try:
+        rank = layout.rank_of(env.node, env.local_rank)
+    except LayoutError as exc:
+        raise DistributedError(f"{NODE_ENV}={env.node} LOCAL_RANK={env.local_rank}: {exc}") from None
+    device = select_device(layout, rank)
+    placed = RankEnv(rank, env.world_size, env.local_rank, env.node)
     if env.world_size == 1:
-        return World(env, layout, device)
+        return World(placed, layout, device)
     timeout = timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout)
+    src = os.environ if environ is None else environ
+    store = dist.TCPStore(src["MASTER_ADDR"], int(src["MASTER_PORT"]), env.world_size, is_master=env.rank == 0,
+                          timeout=timeout, multi_tenant=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=env.world_size, timeout=timeout)
     group = dist.new_group(layout.drafter_ranks(), timeout=timeout)
-    return World(env, layout, device, group if layout.num_drafters > 1 else None)
+    return World(placed, layout, device, group if layout.num_drafters > 1 else None)
 
 
 # -- the feature protocol ------------------------------------------------------------------------------
@@ -262,7 +327,7 @@ def send_batch(batch: PackedBatch, report: BatchReport, dst: int, spec: FeatureS
 
 def wait_sent(works: list, dst: int) -> None:
     """Wait until every message of one `send_batch` went out (raises PeerLostError if `dst` is gone)."""
-    with talking_to(f"sending features to rank {dst}"):
+    with talking_to(f"sending features to rank {dst}", dst):
         for work, _ in works:
             work.wait()
 
@@ -280,7 +345,7 @@ class PendingBatch:
 
     def wait(self) -> tuple[PackedBatch, BatchReport]:
         """Block until all three messages are in (PeerLostError on a peer failure or the collective timeout)."""
-        with talking_to(f"receiving features from rank {self.src}"):
+        with talking_to(f"receiving features from rank {self.src}", self.src):
             for w in self._works:
                 w.wait()
         ids = self._ids

@@ -66,6 +66,8 @@ class Failure:
     time_ns: int | None = None
     peer_lost: bool = False
     error_file: str | None = None
+    peer: int | None = None
+    """The rank a PeerLostError waited on (point-to-point), else None."""
 
     @property
     def rank_class(self) -> int:
@@ -117,12 +119,15 @@ def from_process_failure(rank: int, pf: Any, role: str, node: int = 0) -> Failur
         time_ns = int(extra["timestamp"]) * 10**9  # an error file of torch's own handler: whole seconds
     return Failure(**base, exception=extra.get("exc_type"), message=str(data.get("message")),
                    traceback=extra.get("py_callstack"), time_ns=time_ns, peer_lost=bool(extra.get("peer_lost")),
-                   error_file=pf.error_file)
+                   error_file=pf.error_file, peer=extra.get("peer") if isinstance(extra.get("peer"), int) else None)
 
 
-def failures_of(err: Any, roles: list[str], node: int = 0) -> list[Failure]:
-    """Every failure of a ChildFailedError, in rank order (`roles[rank]`: each rank's role)."""
-    return [from_process_failure(r, pf, roles[r], node) for r, pf in sorted(err.failures.items())]
+def failures_of(err: Any, ranks: list[tuple[int, str]], node: int = 0) -> list[Failure]:
+    """Every failure of a ChildFailedError, in rank order. `ranks[local_rank]` is (global rank, role) of this
+    node's ranks: torch keys failures by its own global rank, which follows its node order, not the layout's."""
+    found = [from_process_failure(ranks[pf.local_rank][0], pf, ranks[pf.local_rank][1], node)
+             for pf in err.failures.values()]
+    return sorted(found, key=lambda f: f.rank)
 
 
 def root_cause(failures: list[Failure]) -> Failure:
@@ -148,6 +153,22 @@ def report(failures: list[Failure]) -> dict[str, Any]:
         for f in failures
         if f is not cause
     ]
+    return doc
+
+
+def name_lost_peer(doc: dict[str, Any], layout: Any, node: int) -> dict[str, Any]:
+    """A root cause that only lost a peer of ANOTHER node (which this node cannot see fail): name that rank
+    and node as what was lost (`lost`, and the summary's start). Returns `doc` (updated in place)."""
+    peer = doc.get("peer")
+    if not doc.get("peer_lost") or not isinstance(peer, int) or not 0 <= peer < layout.world_size:
+        return doc
+    place = layout.place(peer)
+    if place.node == node:
+        return doc
+    spec = layout.node_specs[place.node]
+    doc["lost"] = {"rank": peer, "role": layout.role(peer), "node": place.node, "node_name": spec.name,
+                   "local_rank": place.local_rank}
+    doc["summary"] = f"lost {layout.describe_rank(peer)}: {doc['summary']}"
     return doc
 
 

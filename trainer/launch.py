@@ -4,13 +4,19 @@ This process is the node's elastic agent (`torch.distributed.launcher.api.elasti
 runs): it joins a c10d rendezvous, starts `python -m trainer.rank --config FILE` once per rank of the node,
 watches them, stops the others when one fails, and restarts them all up to `max_restarts` times (each restart
 resumes from the newest complete checkpoint). Every layout goes through it, the colocated one too (one rank).
-One node today (the rendezvous on 127.0.0.1, port chosen by the agent); a layout across nodes runs one such
-agent per node against the first node's endpoint (`Node`).
+One node: the rendezvous on 127.0.0.1, port chosen by the agent. A layout across nodes (`layout.nodes`) runs
+one such agent per node, `--node I` on node I, all against node 0's `layout.rendezvous` (HOST:PORT), which
+node 0's agent hosts (`Node`); each agent starts its node's ranks, and a failure on any node ends every
+node's agent (the ranks of the others lose their peers, torch ends the rendezvous).
 
 Output: the agent tees each rank's stdout and stderr into <run>/ranks/ and prints every line here with the
-prefix `[rank N] ` (its log-line prefix template). When the run fails, the launcher ranks the agent's
+prefix `[rank N] ` (its log-line prefix template), across nodes `[node I local rank L] ` (torch's RANK is not
+the layout's rank there; the launcher prints the mapping first). When the run fails, the launcher ranks the agent's
 failures (trainer.failures), writes <run>/root_cause.json and prints one block, `[launch] run failed: ...`,
 with the root cause's traceback from its error file.
+
+A root cause that only lost a peer on another node (a PeerLostError naming that rank) is reported as that
+node's loss: `lost rank R (drafter, node 1 (ct201), ...)`, in root_cause.json's `lost`.
 
 `--resume RUN_DIR` continues RUN_DIR from its newest complete checkpoint (config: --config, else
 RUN_DIR/config.json). Exit codes: 0 done; 2 bad config, layout or data, or nothing to resume (the message
@@ -28,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from trainer.config import ConfigError, TrainConfig, load_config
+from trainer.config import ConfigError, TrainConfig, load_config, parse_endpoint
+from trainer.distributed import NODE_ENV
 from trainer.layout import Layout
 
 SHUTDOWN_TIMEOUT_S = 10
@@ -36,6 +43,12 @@ SHUTDOWN_TIMEOUT_S = 10
 
 RANK_PREFIX = "[rank ${rank}] "
 """The agent's log-line prefix template for the ranks' output (torch substitutes ${rank})."""
+
+NODE_RANK_PREFIX = "[node {node} local rank ${{local_rank}}] "
+"""The prefix across nodes (torch's ${rank} follows its own node order, not the layout's)."""
+
+JOIN_TIMEOUT_S = 300
+"""Seconds an agent waits for every node to join the rendezvous (torch's default is 600)."""
 
 
 class LaunchError(RuntimeError):
@@ -51,43 +64,64 @@ class Node:
         count: nodes in the run; the rendezvous waits for all of them.
         rdzv_endpoint: host:port of the c10d rendezvous, reachable from every node (one node: 127.0.0.1:0,
             the agent picks a free port).
-        local_addr: this node's address as the other nodes reach it; the first node's is where the ranks
-            meet (one node: 127.0.0.1, so a container whose host name does not resolve still works).
+        local_addr: this node's address as the other nodes reach it (the store of the ranks lives on the
+            node torch numbers first); None: its FQDN (one node: 127.0.0.1, so a container whose host name does
+            not resolve still works).
     """
 
     index: int = 0
     count: int = 1
     rdzv_endpoint: str = "127.0.0.1:0"
-    local_addr: str = "127.0.0.1"
+    local_addr: str | None = "127.0.0.1"
+
+
+def node_of(cfg: TrainConfig, index: int) -> Node:
+    """Node `index` of the config's layout, with the rendezvous it joins (pure).
+
+    Raises:
+        LaunchError: `index` is not a node of the layout.
+    """
+    count = cfg.layout.to_layout().num_nodes
+    if not 0 <= index < count:
+        raise LaunchError(f"--node {index}: the layout has {count} node(s), numbered 0..{count - 1}")
+    if count == 1:
+        return Node()
+    host, port = parse_endpoint(cfg.layout.rendezvous or "")
+    own = cfg.layout.nodes[index].addr
+    return Node(index, count, f"{host}:{port}", own or (host if index == 0 else None))
 
 
 def launch_config(cfg: TrainConfig, layout: Layout, run_dir: Path, node: Node = Node()):
     """The elastic agent's configuration for this node (pure: nothing starts).
 
     Raises:
-        LaunchError: more than one node (layouts across nodes are not supported yet).
+        LaunchError: the node is not one of the layout's.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    if node.count != 1:
-        raise LaunchError("a layout across several nodes is not supported yet: list every GPU of one host")
+    if node.count != layout.num_nodes:
+        raise LaunchError(f"node {node.index} of {node.count}, but the layout has {layout.num_nodes} node(s)")
+    many = node.count > 1
     return LaunchConfig(
         min_nodes=node.count,
         max_nodes=node.count,
-        nproc_per_node=layout.world_size,
+        nproc_per_node=len(layout.node_ranks(node.index)),
         run_id=run_dir.name,  # every node of a run must use the same id: the run directory's name is it
         rdzv_backend="c10d",
         rdzv_endpoint=node.rdzv_endpoint,
+        # Node 0 hosts the rendezvous store, explicitly: where the nodes share an address (containers on
+        # one network namespace) torch's guess from the host name would make every node try to host it.
+        rdzv_configs={"is_host": node.index == 0, "join_timeout": JOIN_TIMEOUT_S} if many else {},
         local_addr=node.local_addr,
         max_restarts=cfg.max_restarts,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "ranks"), tee=Std.ALL),
-        log_line_prefix_template=RANK_PREFIX,
+        log_line_prefix_template=NODE_RANK_PREFIX.format(node=node.index) if many else RANK_PREFIX,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
 
 
-def rank_environment(layout: Layout, base: dict[str, str]) -> dict[str, str]:
+def rank_environment(layout: Layout, base: dict[str, str], node: int = 0) -> dict[str, str]:
     """What this process adds to its environment before the agent copies it into every rank (pure).
 
     Lines reach the log as they happen (PYTHONUNBUFFERED); every attempt gets its own rendezvous store; GPU
@@ -99,7 +133,7 @@ def rank_environment(layout: Layout, base: dict[str, str]) -> dict[str, str]:
     # A fresh rendezvous store per attempt, hosted by rank 0: with the store shared with the agent (torch's
     # default), a restarted attempt read the previous attempt's gloo addresses and failed to connect
     # ("connectFullMesh ... Connection refused"; pytorch/pytorch#135712).
-    env = {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", NODE_ENV: str(node)}
     if layout.uses_gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     elif "OMP_NUM_THREADS" not in base:
@@ -127,17 +161,21 @@ def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: 
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / failures.ROOT_CAUSE_FILE).unlink(missing_ok=True)  # a cause of an earlier attempt is not this one's
-    os.environ.update(rank_environment(layout, dict(os.environ)))
-    log(f"{layout.world_size} rank(s), max_restarts {cfg.max_restarts}, rank logs in {run_dir / 'ranks'}")
-    for r in range(layout.world_size):  # each rank takes this device itself (trainer.distributed.select_device)
-        log(f"rank {r} ({layout.role(r)}) on " + (f"GPU {layout.gpu(r)}" if layout.uses_gpus else "the CPU"))
+    os.environ.update(rank_environment(layout, dict(os.environ), node.index))
+    mine = layout.node_ranks(node.index)
+    where = f" on node {node.index} of {node.count} (rendezvous {node.rdzv_endpoint})" if node.count > 1 else ""
+    log(f"{len(mine)} of {layout.world_size} rank(s){where}, max_restarts {cfg.max_restarts}, "
+        f"rank logs in {run_dir / 'ranks'}")
+    for local, r in enumerate(mine):  # each rank takes this device itself (trainer.distributed.select_device)
+        at = f"local rank {local}: " if node.count > 1 else ""
+        log(f"{at}rank {r} ({layout.role(r)}) on " + (f"GPU {layout.gpu(r)}" if layout.uses_gpus else "the CPU"))
     try:
         elastic_launch(launch_config(cfg, layout, run_dir, node), sys.executable)(
             "-u", "-m", "trainer.rank", "--config", str(config_path)
         )
     except ChildFailedError as err:
-        found = failures.failures_of(err, [layout.role(r) for r in range(layout.world_size)], node.index)
-        doc = failures.report(found)
+        found = failures.failures_of(err, [(r, layout.role(r)) for r in mine], node.index)
+        doc = failures.name_lost_peer(failures.report(found), layout, node.index)
         path = failures.write_report(run_dir, doc)
         for line in failures.summary_lines(doc):
             log(line)
@@ -188,15 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.launch", description="Run a training layout under torch's elastic launcher.")
     p.add_argument("--config", help="TrainConfig as JSON or YAML (runs/<id>/config.json)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint")
+    p.add_argument("--node", type=int, default=0, metavar="I", help="this node's index in layout.nodes (default 0)")
     args = p.parse_args(argv)
     from trainer.layout import LayoutError
 
     try:
         cfg, path = resolve_config(args.config, args.resume)
+        node = node_of(cfg, args.node)
     except (ConfigError, LayoutError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    return launch(cfg, path)
+    return launch(cfg, path, node=node)
 
 
 if __name__ == "__main__":

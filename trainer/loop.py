@@ -216,7 +216,8 @@ class RemoteFeatures:
 # -- target ranks ----------------------------------------------------------------------------------------
 def serve_features(cfg: TrainConfig, world: World, log: Log) -> None:
     """A target rank: compute and send the features of its batches, step by step, `prefetch` ahead."""
-    assets = load_assets(cfg, world.device, builds_data=world.rank == 0, wants_eval=False, log=log)
+    assets = load_assets(cfg, world.device, builds_data=world.rank == 0, wants_eval=False, log=log,
+                         share=world.sample_share())
     schedule = Schedule(world.layout, cfg.batches_per_step)
     plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
     spec = feature_spec(cfg, assets, world.device)
@@ -551,7 +552,7 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
         write_json(out / "config.resolved.json", cfg.model_dump(mode="json"))
     # A drafter rank of a split layout computes no features: the target's embedding, head and norm suffice.
     assets = load_assets(cfg, world.device, builds_data=layout.colocated, wants_eval=world.is_main, log=log,
-                         whole_target=layout.colocated)
+                         whole_target=layout.colocated, share=world.sample_share())
     schedule = Schedule(layout, cfg.batches_per_step)
     plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
     drafter = build_drafter(cfg, assets, world, log)

@@ -44,6 +44,7 @@ class RankErrorHandler(ErrorHandler):
                     "time_ns": time.time_ns(),
                     "exc_type": f"{cls.__module__}.{cls.__qualname__}",
                     "peer_lost": isinstance(e, PeerLostError),
+                    "peer": getattr(e, "peer", None) if isinstance(e, PeerLostError) else None,
                 },
             }
         }
@@ -78,6 +79,7 @@ def _run(config: str) -> None:
     layout = cfg.layout.to_layout()
     world = init_world(layout, env, cfg.layout.timeout_s)
     run_rank(cfg, world, lambda msg: print(msg, flush=True))
+    world.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -219,6 +219,7 @@ def load_assets(
     wants_eval: bool,
     log: Callable[[str], None],
     whole_target: bool = True,
+    share: Callable[[list[Sample] | None], list[Sample]] | None = None,
 ) -> Assets:
     """Load what a rank needs (see the module docstring).
 
@@ -226,6 +227,8 @@ def load_assets(
         builds_data: this rank writes the samples (the others wait for them first).
         wants_eval: load the held-out prompts (the rank that measures τ).
         whole_target: the whole target (it computes features), else only the parts a drafter uses.
+        share: a layout across nodes (whose run directories are not shared): every rank calls it, the builder
+            with its samples, the others with None, and gets the builder's samples back (World.share_samples).
 
     Raises:
         TrainError, DataError: the target or the data cannot be used (the message says what to fix).
@@ -233,8 +236,11 @@ def load_assets(
     from transformers import AutoTokenizer
 
     out = Path(cfg.output_dir)
-    if not builds_data:
+    received = None
+    if not builds_data and share is None:
         wait_for_samples(out)
+    elif not builds_data:
+        received = share(None)  # first, as the file wait above: the builder has made the target by then
     seed_everything(cfg.seed)
     src = resolve_sources(cfg, log)
     tokenizer = AutoTokenizer.from_pretrained(str(src.target_dir))
@@ -243,13 +249,21 @@ def load_assets(
     target = load_target(cfg, src.target_dir, device, whole_target)
     what = "" if whole_target else ": embedding, LM head and final norm only"
     log(f"target: {src.target_dir} ({target.num_layers} layers, H {target.hidden_size}, features from {target.layer_ids}){what}")
-    if (out / SAMPLES).exists():
+    if received is not None:
+        samples = received
+        log(f"data: {len(samples)} samples from the rank that built them")
+        if not (out / SAMPLES).exists():
+            (out / SAMPLES).parent.mkdir(parents=True, exist_ok=True)
+            save_samples(samples, out / SAMPLES)  # this node's copy, for a resume
+    elif (out / SAMPLES).exists():
         # A resumed run (or a rank that waited) sees the very same samples: regeneration is expensive.
         samples = load_samples(out / SAMPLES)
         if builds_data:
             log(f"data: {len(samples)} samples from {out / SAMPLES}")
     else:
         samples = build_samples(cfg, src, target, tokenizer, out, log)
+    if share is not None and builds_data:
+        share(samples)
     prompts: list[list[int]] = []
     if wants_eval:
         report = SkipReport()

@@ -217,7 +217,11 @@ def build_tiny(
         _write_jsonl(tmp / "eval.jsonl", [{"messages": [{"role": "user", "content": p}]} for p in eval_prompts])
         (tmp / "tiny_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
         (tmp / "COMPLETE").write_text("ok\n")
-        if final.exists():  # another builder won the race, or a stale incomplete dir: replace it
+        if (final / "COMPLETE").exists():
+            # Another builder won the race (the ranks of a node without the data builder build it together):
+            # the build is deterministic, so keep theirs; replacing it would pull it from under its readers.
+            return assets
+        if final.exists():  # a stale incomplete dir: replace it
             shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
     finally:

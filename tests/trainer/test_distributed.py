@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_rank_env_is_read_from_the_launchers_variables():
-    env = read_rank_env({"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1"})
-    assert env == RankEnv(rank=2, world_size=3, local_rank=1, node=1)
+    env = read_rank_env({"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "DFLASH_NODE": "1", "GROUP_RANK": "0"})
+    assert env == RankEnv(rank=2, world_size=3, local_rank=1, node=1)  # the layout's node, not torch's GROUP_RANK
     assert read_rank_env({"RANK": "1", "WORLD_SIZE": "2"}) == RankEnv(1, 2, 1, 0)
     with pytest.raises(DistributedError, match=r"RANK not set.*python -m trainer.launch"):
         read_rank_env({"WORLD_SIZE": "2"})
@@ -54,11 +54,11 @@ def test_each_rank_gets_its_gpu_from_the_layout_and_cpu_ranks_none():
     assert env == {"CUDA_VISIBLE_DEVICES": "7", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
-def test_a_rank_of_another_node_is_refused_until_layouts_span_nodes():
+def test_a_rank_outside_its_nodes_layout_is_refused():
     from trainer.distributed import init_world
 
     lay = Layout(num_target_procs=1, num_drafter_procs=2)
-    with pytest.raises(DistributedError, match="rank 2 is local rank 0 of node 1: layouts across several nodes"):
+    with pytest.raises(DistributedError, match="DFLASH_NODE=1 LOCAL_RANK=0: node 1 outside the layout's 1 node"):
         init_world(lay, RankEnv(rank=2, world_size=3, local_rank=0, node=1), 30)
     with pytest.raises(DistributedError, match="WORLD_SIZE 4 but the layout has 3 ranks"):
         init_world(lay, RankEnv(rank=0, world_size=4), 30)
@@ -74,7 +74,11 @@ def test_a_failed_wait_on_a_peer_is_a_peer_lost_error():
     with pytest.raises(PeerLostError, match="receiving features from rank 0: RuntimeError: Connection reset") as info:
         with talking_to("receiving features from rank 0"):
             raise RuntimeError("Connection reset by peer")
-    assert isinstance(info.value.__cause__, RuntimeError)
+    assert isinstance(info.value.__cause__, RuntimeError) and info.value.peer is None
+    with pytest.raises(PeerLostError) as info:
+        with talking_to("sending features to rank 2", 2):
+            raise RuntimeError("Broken pipe")
+    assert info.value.peer == 2
 
 
 def _batch(R=2, L=8, F=6, seed=0) -> PackedBatch:

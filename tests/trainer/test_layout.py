@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.layout import Layout, LayoutError, Schedule
+from trainer.layout import Layout, LayoutError, NodeSpec, Placement, Schedule
 
 
 def test_production_layout_5_plus_3():
@@ -77,3 +77,48 @@ def test_colocated():
 def test_bad_layouts_are_refused_with_a_reason(kwargs, needle):
     with pytest.raises(LayoutError, match=needle):
         Layout(**kwargs)
+
+
+def test_a_layout_across_nodes_numbers_targets_first_and_maps_each_local_rank_to_its_gpu():
+    lay = Layout(nodes=(NodeSpec(target_gpus=(0, 1, 2, 3, 4), drafter_gpus=(5, 6, 7), name="ct200"),
+                        NodeSpec(drafter_gpus=(0, 1, 2, 3), name="ct201")))
+    assert (lay.num_nodes, lay.world_size, lay.num_targets, lay.num_drafters) == (2, 12, 5, 7)
+    assert lay.target_ranks() == [0, 1, 2, 3, 4] and lay.drafter_ranks() == list(range(5, 12))
+    assert lay.node_ranks(0) == list(range(8)) and lay.node_ranks(1) == [8, 9, 10, 11]
+    assert lay.place(9) == Placement(node=1, local_rank=1, gpu=1) and lay.gpu(5) == 5
+    assert lay.rank_of(1, 3) == 11 and lay.env(8) == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert lay.describe_rank(9) == "rank 9 (drafter, node 1 (ct201), local rank 1)"
+    # A node holding only targets after one holding only drafters: global ranks still put targets first.
+    cpu = Layout(nodes=(NodeSpec(num_drafter_procs=2), NodeSpec(num_target_procs=1)))
+    assert [(p.node, p.local_rank) for p in cpu.placements()] == [(1, 0), (0, 0), (0, 1)]
+    assert cpu.node_ranks(0) == [1, 2] and cpu.rank_of(1, 0) == 0 and not cpu.uses_gpus
+    assert Schedule(cpu, 2).sends(0, 0) == [(0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("nodes, needle", [
+    ((NodeSpec(target_gpus=(0,)), NodeSpec(target_gpus=(0,))), "at least one target rank and one drafter rank"),
+    ((NodeSpec(target_gpus=(0,)), NodeSpec(name="ct201")), r"nodes\[1\] \(ct201\): runs no rank"),
+    ((NodeSpec(target_gpus=(0, 0)), NodeSpec(drafter_gpus=(1,))), r"nodes\[0\]: target_gpus lists a GPU twice"),
+    ((NodeSpec(target_gpus=(0,), drafter_gpus=(0,)), NodeSpec(drafter_gpus=(1,))), r"nodes\[0\]: GPU\(s\) \[0\] are in both"),
+    ((NodeSpec(target_gpus=(0,)), NodeSpec(num_drafter_procs=2)), "all GPUs or all CPU"),
+])
+def test_bad_node_layouts_are_refused_naming_the_node(nodes, needle):
+    with pytest.raises(LayoutError, match=needle):
+        Layout(nodes=nodes)
+    with pytest.raises(LayoutError, match="drop the top-level"):
+        Layout(target_gpus=(1,), drafter_gpus=(2,), nodes=(NodeSpec(target_gpus=(0,)), NodeSpec(drafter_gpus=(0,))))
+
+
+def test_a_config_across_nodes_needs_a_rendezvous_host_and_port():
+    from pydantic import ValidationError
+
+    from trainer.config import LayoutConfig
+
+    nodes = [{"target_gpus": [0], "name": "ct200"}, {"drafter_gpus": [0, 1], "name": "ct201"}]
+    lay = LayoutConfig(nodes=nodes, rendezvous="10.0.0.200:29400").to_layout()
+    assert lay.node_specs[1].name == "ct201" and lay.world_size == 3
+    with pytest.raises(ValidationError, match=r"across 2 nodes needs `rendezvous: HOST:PORT`"):
+        LayoutConfig(nodes=nodes)
+    for bad in ("10.0.0.200", "10.0.0.200:0", ":29400", "host:99999", "host:http"):
+        with pytest.raises(ValidationError, match="must be HOST:PORT with a port 1-65535"):
+            LayoutConfig(nodes=nodes, rendezvous=bad)

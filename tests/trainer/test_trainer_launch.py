@@ -275,7 +275,8 @@ def test_rank_environment():
 
     cpu = Layout(num_target_procs=1, num_drafter_procs=2)
     assert rank_environment(cpu, {}) == {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                                         "OMP_NUM_THREADS": "1"}
+                                         "DFLASH_NODE": "0", "OMP_NUM_THREADS": "1"}
+    assert rank_environment(cpu, {}, node=1)["DFLASH_NODE"] == "1"  # the ranks' place in the layout
     assert "OMP_NUM_THREADS" not in rank_environment(cpu, {"OMP_NUM_THREADS": "4"})  # the user's stays
     gpu = rank_environment(Layout(target_gpus=[0], drafter_gpus=[1]), {})
     assert gpu["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and "OMP_NUM_THREADS" not in gpu and "CUDA_VISIBLE_DEVICES" not in gpu
@@ -285,7 +286,7 @@ def test_launch_config_one_agent_per_node_with_the_layouts_ranks(tmp_path):
     from torch.distributed.elastic.multiprocessing import Std
 
     from trainer.config import parse_config
-    from trainer.launch import LaunchError, Node, launch_config
+    from trainer.launch import LaunchError, Node, launch_config, node_of
 
     cfg = parse_config(small_config(tmp_path / "r-1", SPLIT, max_restarts=2))
     lc = launch_config(cfg, cfg.layout.to_layout(), tmp_path / "r-1")
@@ -293,8 +294,21 @@ def test_launch_config_one_agent_per_node_with_the_layouts_ranks(tmp_path):
     assert (lc.rdzv_backend, lc.rdzv_endpoint, lc.local_addr, lc.run_id) == ("c10d", "127.0.0.1:0", "127.0.0.1", "r-1")
     assert lc.log_line_prefix_template == "[rank ${rank}] " and lc.logs_specs.root_log_dir == str(tmp_path / "r-1" / "ranks")
     assert lc.logs_specs._tee == Std.ALL
-    with pytest.raises(LaunchError, match="several nodes is not supported yet"):
+    assert "is_host" not in lc.rdzv_configs and node_of(cfg, 0) == Node()
+    with pytest.raises(LaunchError, match="node 0 of 2, but the layout has 1 node"):
         launch_config(cfg, cfg.layout.to_layout(), tmp_path / "r-1", Node(0, 2, "10.0.0.1:29400"))
+    two = parse_config(small_config(tmp_path / "r-2", {
+        "nodes": [{"num_target_procs": 1, "name": "ct200"}, {"num_drafter_procs": 2, "name": "ct201", "addr": "10.0.0.201"}],
+        "rendezvous": "10.0.0.200:29400"}))
+    assert node_of(two, 0) == Node(0, 2, "10.0.0.200:29400", "10.0.0.200")
+    assert node_of(two, 1) == Node(1, 2, "10.0.0.200:29400", "10.0.0.201")
+    with pytest.raises(LaunchError, match=r"--node 2: the layout has 2 node\(s\), numbered 0..1"):
+        node_of(two, 2)
+    lc = launch_config(two, two.layout.to_layout(), tmp_path / "r-2", node_of(two, 1))
+    assert (lc.min_nodes, lc.max_nodes, lc.nproc_per_node, lc.rdzv_endpoint, lc.local_addr) == (
+        2, 2, 2, "10.0.0.200:29400", "10.0.0.201")
+    assert lc.rdzv_configs["is_host"] is False and lc.log_line_prefix_template == "[node 1 local rank ${local_rank}] "
+    assert launch_config(two, two.layout.to_layout(), tmp_path / "r-2", node_of(two, 0)).rdzv_configs["is_host"] is True
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path, env):
