@@ -181,6 +181,28 @@ class UvVenv(_Strict):
 VenvSpec = Annotated[Union[WorkstationVenv, SystemVenv, UvVenv], Field(discriminator="kind")]
 
 
+class NodeLayout(_Strict):
+    """One node of a layout across targets: a target (container) and the GPUs its processes use there."""
+
+    target: str
+    """Target name (key of `targets:`): the container this node runs in."""
+    target_gpus: list[Annotated[int, Field(ge=0)]] = []
+    """GPUs of THIS target (its nvidia-smi indexes) running the frozen target model."""
+    drafter_gpus: list[Annotated[int, Field(ge=0)]] = []
+    """GPUs of this target training the drafter. A node may have only target or only drafter GPUs."""
+    num_target_procs: int = Field(0, ge=0)
+    """CPU only (no GPUs anywhere in the layout): target processes on this node (the tests, the demo)."""
+    num_drafter_procs: int = Field(0, ge=0)
+    """CPU only: drafter processes on this node."""
+    addr: str | None = None
+    """The address the other nodes reach this target at (default: node 0 the rendezvous host, the others
+    their host name, which must then resolve on every node)."""
+
+    @property
+    def gpus(self) -> list[int]:
+        return [*self.target_gpus, *self.drafter_gpus]
+
+
 class Layout(_Strict):
     """Which GPUs (nvidia-smi indexes in the container) run the frozen target and which train the drafter."""
 
@@ -188,16 +210,28 @@ class Layout(_Strict):
     """GPUs running the frozen target model (one process each)."""
     drafter_gpus: list[Annotated[int, Field(ge=0)]] = []
     """GPUs training the drafter (one DDP process each). Both empty: one colocated CPU process."""
+    nodes: list[NodeLayout] = []
+    """A layout across targets: one entry per target (node), node 0 first; then the two lists above stay
+    empty. See "Layouts across targets" in the README for the networking this needs."""
+    rendezvous: str | None = None
+    """HOST:PORT of node 0 (the first entry of `nodes`) where the other nodes meet it: the address they
+    reach its container at and a free TCP port there (e.g. 10.0.0.200:29400)."""
 
     @property
     def colocated(self) -> bool:
         """True for the CPU layout: no GPUs, target and drafter in one process."""
-        return not self.target_gpus and not self.drafter_gpus
+        return not self.target_gpus and not self.drafter_gpus and not self.nodes
 
     @property
     def gpus(self) -> list[int]:
-        """All GPUs of the layout, target first."""
+        """All GPUs of the layout, target first (one node; across nodes: node 0's)."""
+        if self.nodes:
+            return self.nodes[0].gpus
         return [*self.target_gpus, *self.drafter_gpus]
+
+    def node_targets(self) -> list[str]:
+        """The target of every node, node 0 first ([] without `nodes`)."""
+        return [n.target for n in self.nodes]
 
 
 class DflashExperiment(_Strict):
@@ -555,7 +589,9 @@ def _check_references(inv: Inventory, lines: dict, source: str) -> list[str]:
             if isinstance(inv.targets.get(e.target), ContainerTargetSpec) and isinstance(inv.venvs.get(e.venv), WorkstationVenv):
                 err(("experiments", name, "venv"), f"venv profile {e.venv!r} is the workstation's own interpreter, "
                     "which a container cannot run; use a `kind: system` profile (the container's python3)")
-        if isinstance(e, DflashExperiment):
+        if isinstance(e, DflashExperiment) and e.layout.nodes:
+            _check_nodes(name, e, inv, err, ref)
+        elif isinstance(e, DflashExperiment):
             lay = e.layout
             for key, gpus in (("target_gpus", lay.target_gpus), ("drafter_gpus", lay.drafter_gpus)):
                 dup = sorted({g for g in gpus if gpus.count(g) > 1})
@@ -577,6 +613,47 @@ def _check_references(inv: Inventory, lines: dict, source: str) -> list[str]:
                 if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                     err(("experiments", name, "env", key), "not a valid environment variable name")
     return errs
+
+
+def _check_nodes(name: str, e, inv: Inventory, err, ref) -> None:
+    """A layout across targets: every node a known container target, each once, node 0 the experiment's
+    target, one kind of venv lock, and the layout itself valid as the trainer sees it (trainer.layout, the one
+    rule: its message names `nodes[i]`, and the error points at that node's line). Errors go through `err`."""
+    at = ("experiments", name, "layout")
+    nodes = e.layout.nodes
+    seen: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        ref((*at, "nodes", str(i), "target"), "target", n.target, inv.targets)
+        if n.target in seen:
+            err((*at, "nodes", str(i), "target"), f"target {n.target!r} is already node {seen[n.target]}: each node "
+                "is its own target (list all of a target's GPUs in one node)")
+        seen.setdefault(n.target, i)
+        if len(nodes) > 1 and n.target in inv.targets and not isinstance(inv.targets[n.target], ContainerTargetSpec):
+            err((*at, "nodes", str(i), "target"), f"target {n.target!r} is not a container: every node of a layout "
+                "across targets is a container (`kind: container`)")
+    if nodes[0].target != e.target:
+        err(("experiments", name, "target"), f"{e.target!r} is not node 0's target {nodes[0].target!r}: the "
+            f"experiment's target is the first node (where the rendezvous runs); set target: {nodes[0].target}")
+    if e.layout.target_gpus or e.layout.drafter_gpus:
+        err(at, "with `nodes`, list every GPU under its node and drop the top-level target_gpus/drafter_gpus")
+        return
+    from trainer.config import ConfigError, parse_config
+
+    try:
+        parse_config({"layout": trainer_layout(e.layout)}, source="layout")
+    except ConfigError as exc:
+        text = str(exc)
+        m = re.search(r"nodes\[(\d+)\]", text)
+        where = (*at, "nodes", m.group(1)) if m else (*at, "rendezvous") if "rendezvous" in text else at
+        for line in text.splitlines():  # "layout: <loc>: Value error, <the trainer's message>"
+            err(where, re.sub(r"^layout: [\w.]+: (Value error, )?", "", line.strip()))
+
+
+def trainer_layout(layout: Layout) -> dict:
+    """The trainer's `layout` section for an inventory layout across targets (nodes named by their target)."""
+    nodes = [{"target_gpus": n.target_gpus, "drafter_gpus": n.drafter_gpus, "num_target_procs": n.num_target_procs,
+              "num_drafter_procs": n.num_drafter_procs, "name": n.target, "addr": n.addr} for n in layout.nodes]
+    return {"nodes": nodes, "rendezvous": layout.rendezvous}
 
 
 # ------------------------------------------------------------------------------------ loading

@@ -185,7 +185,24 @@ def diff_records(a: dict, b: dict) -> RunDiff:
     env_b["gpus"] = _gpu_summary(b)
     env_a["target"], env_b["target"] = a.get("target"), b.get("target")
     d.environment = _changes(env_a, env_b)
+    _diff_nodes(d, a.get("nodes") or [], b.get("nodes") or [])
     return d
+
+
+def _diff_nodes(d: RunDiff, na: list[dict], nb: list[dict]) -> None:
+    """Runs across targets: every node after node 0 (whose fingerprint is the record's own) compared the same
+    way, each change named `node I (TARGET): key`; a node only one run has shows as its target."""
+    for i in range(1, max(len(na), len(nb))):
+        a = na[i] if i < len(na) else {}
+        b = nb[i] if i < len(nb) else {}
+        fa, fb = a.get("env_fingerprint") or {}, b.get("env_fingerprint") or {}
+        name = f"node {i} ({b.get('target') or a.get('target')})"
+        pkgs = _changes({k.lower(): v for k, v in (fa.get("packages") or {}).items()},
+                        {k.lower(): v for k, v in (fb.get("packages") or {}).items()})
+        d.packages += [(f"{name}: {k}", x, y) for k, x, y in pkgs]
+        env_a = {**{k: fa.get(k) for k in _ENV_KEYS if k in fa}, "target": a.get("target"), "gpus": a.get("gpus")}
+        env_b = {**{k: fb.get(k) for k in _ENV_KEYS if k in fb}, "target": b.get("target"), "gpus": b.get("gpus")}
+        d.environment += [(f"{name}: {k}", x, y) for k, x, y in _changes(env_a, env_b)]
 
 
 def _gpu_summary(rec: dict) -> list | None:

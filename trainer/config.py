@@ -253,7 +253,12 @@ class LayoutConfig(_Strict):
             raise ValueError(f"a layout across {len(self.nodes)} nodes needs `rendezvous: HOST:PORT` (node 0's "
                              "address as the other nodes reach it, and a free port there, e.g. 10.0.0.200:29400)")
         if self.rendezvous:
-            parse_endpoint(self.rendezvous)
+            host, _ = parse_endpoint(self.rendezvous)
+            addrs = [n.addr or (host if i == 0 else None) for i, n in enumerate(self.nodes)]
+            for i, a in enumerate(addrs):
+                if a is not None and a in addrs[:i]:
+                    raise ValueError(f"nodes[{i}] has node {addrs.index(a)}'s address {a}: give every node its own "
+                                     "`addr` (torch tells nodes apart by address and pid, and containers' pids repeat)")
         return self
 
     def to_layout(self):

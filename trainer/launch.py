@@ -188,8 +188,9 @@ def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: 
     return 0
 
 
-def resolve_config(config: str | None, resume: str | None) -> tuple[TrainConfig, Path]:
-    """The config to run and the file the ranks read (for --resume: output_dir forced to RUN_DIR).
+def resolve_config(config: str | None, resume: str | None, node: int = 0) -> tuple[TrainConfig, Path]:
+    """The config to run and the file the ranks read (for --resume: output_dir forced to RUN_DIR; across
+    nodes only the node of the first drafter rank, which saves them, must hold a checkpoint).
 
     Raises:
         ConfigError: no config given, or a bad one.
@@ -206,7 +207,9 @@ def resolve_config(config: str | None, resume: str | None) -> tuple[TrainConfig,
         run_dir = Path(resume)
         path = Path(config) if config else run_dir / "config.json"
         cfg = load_config(path).model_copy(update={"output_dir": str(run_dir)})
-        if not CheckpointManager(run_dir / "checkpoints").list_complete():
+        lay = cfg.layout.to_layout()
+        saver = lay.place(lay.drafter_ranks()[0]).node
+        if saver == node and not CheckpointManager(run_dir / "checkpoints").list_complete():
             raise LaunchError(
                 f"nothing to resume in {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}; "
                 "launch without --resume to start fresh"
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.layout import LayoutError
 
     try:
-        cfg, path = resolve_config(args.config, args.resume)
+        cfg, path = resolve_config(args.config, args.resume, args.node)
         node = node_of(cfg, args.node)
     except (ConfigError, LayoutError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ so a rerun with the same config starts training at once.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -185,8 +186,6 @@ def build_tiny(
     Returns:
         The asset paths.
     """
-    from trainer.data import Conversation, regenerate
-
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     final = root / f"tiny-{config_hash(cfg)}"
     assets = TinyAssets(final / "target", final / "train.jsonl", final / "eval.jsonl")
@@ -194,6 +193,21 @@ def build_tiny(
         log(f"tiny target: cached at {final}")
         return assets
     root.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (the drafter ranks of a node without the data builder all need it at once); a
+    # builder that waited finds it complete. flock ends with its process: a killed builder blocks nobody.
+    with open(root / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "COMPLETE").exists():
+            log(f"tiny target: cached at {final} (built by another process meanwhile)")
+            return assets
+        _build_tiny(cfg, root, final, log)
+    return assets
+
+
+def _build_tiny(cfg: TinyTargetConfig, root: Path, final: Path, log: Callable[[str], None]) -> None:
+    """Build the tiny assets into a temporary directory, then rename it to `final` (build_tiny holds the lock)."""
+    from trainer.data import Conversation, regenerate
+
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -201,6 +215,9 @@ def build_tiny(
         log(f"tiny target: building {cfg.family} h{cfg.hidden_size} x{cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}")
         tokenizer = build_tokenizer(cfg)
         model = build_target_model(cfg, tokenizer)
+        # transformers writes a model only on global rank 0 once torch.distributed is initialised; the tiny
+        # assets are this process's own (a node whose ranks are all > 0 builds them too): always write.
+        model.should_save_on_this_rank = lambda is_main_process: True
         model.save_pretrained(tmp / "target")
         tokenizer.save_pretrained(tmp / "target")
         prompts = generate_prompts(cfg)
@@ -217,16 +234,11 @@ def build_tiny(
         _write_jsonl(tmp / "eval.jsonl", [{"messages": [{"role": "user", "content": p}]} for p in eval_prompts])
         (tmp / "tiny_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
         (tmp / "COMPLETE").write_text("ok\n")
-        if (final / "COMPLETE").exists():
-            # Another builder won the race (the ranks of a node without the data builder build it together):
-            # the build is deterministic, so keep theirs; replacing it would pull it from under its readers.
-            return assets
-        if final.exists():  # a stale incomplete dir: replace it
+        if final.exists():  # a stale incomplete dir (a builder killed before it could rename): replace it
             shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return assets
 
 
 TINY_EVALUATION = {"budgets": [16], "temperatures": [0.0]}

@@ -82,7 +82,8 @@ def resume_source(workdir: str, request: dict, emit) -> resume.ResumeSource | No
     rid = request.get("resume")
     if not rid:
         return None
-    src = resume.find_source(workdir, str(rid), request["experiment"], str(request.get("kind")))
+    src = resume.find_source(workdir, str(rid), request["experiment"], str(request.get("kind")),
+                             need_checkpoint=holds_checkpoints(request))
     if src.step is not None:
         emit.progress("resume", f"continuing run {src.run_id} from its checkpoint at step {src.step}",
                       resumed_from=src.run_id, checkpoint_step=src.step)
@@ -92,11 +93,22 @@ def resume_source(workdir: str, request: dict, emit) -> resume.ResumeSource | No
     return src
 
 
+def holds_checkpoints(request: dict) -> bool:
+    """Whether this node's run directory holds the run's checkpoints: the node of the first drafter rank (the
+    one that saves), i.e. the first node with drafters; on one node, always."""
+    node = request.get("node")
+    if not node:
+        return True
+    nodes = ((request.get("config") or {}).get("layout") or {}).get("nodes") or []
+    first = next((i for i, n in enumerate(nodes) if n.get("drafter_gpus") or n.get("num_drafter_procs")), 0)
+    return int(node.get("index", 0)) == first
+
+
 def run_gpus(request: dict, src: resume.ResumeSource | None, emit) -> list[int]:
     """The GPUs the run occupies: the experiment's, or for a resumed dflash run its old config's layout (the
     trainer refuses another number of drafters, and those are the GPUs the copied config names)."""
     gpus = [int(g) for g in request.get("gpus") or []]
-    if src is not None and src.config is not None:
+    if src is not None and src.config is not None and not request.get("node"):  # across nodes: this node's
         old = resume.layout_gpus(src.config)
         if old != gpus:
             emit.progress("resume", f"the resumed config's layout uses GPUs {old} (the inventory now says {gpus})")

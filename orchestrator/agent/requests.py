@@ -120,6 +120,8 @@ class StopRequest(Request):
     gpu_idle_mib: int = 1024
     release_timeout_s: float = 120.0
     requested_by: dict | None = None
+    lost_cause: dict | None = None
+    """A run across targets whose node here vanished without exit.json: the run's root cause to record."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +208,8 @@ class LaunchRequest(Request):
     warmup_device: str = "cuda"
     claim_wait_s: float = 5.0
     requested_by: dict | None = None
+    node: dict | None = None
+    """A layout across targets: this node's {index, count, targets} (orchestrator.ops.nodes); None: one node."""
 
 
 REQUESTS: dict[str, type[Request]] = {cls.VERB: cls for cls in (

@@ -65,7 +65,8 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str) -> ResumeSource:
+def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str,
+                need_checkpoint: bool = True) -> ResumeSource:
     """The run `run_id` of `experiment`, checked resumable.
 
     Raises:
@@ -97,7 +98,7 @@ def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str) ->
         raise AgentFailure("NothingToResume", f"run {run_id} has no readable config.json in {run_dir}",
                            fix="launch without --resume to start fresh", data={"run_id": run_id})
     src.checkpoints = complete_checkpoints(run_dir)
-    if not src.checkpoints:
+    if not src.checkpoints and need_checkpoint:  # a node without drafters keeps none: it resumes from nothing
         raise AgentFailure(
             "NothingToResume",
             f"run {run_id} has no complete checkpoint under {run_dir / 'checkpoints'} (it ended before its first "

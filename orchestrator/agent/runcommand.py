@@ -49,6 +49,8 @@ def build_command(request: dict, run_dir: Path, config: dict | None = None,
         argv = [sys.executable, "-m", "trainer.launch", "--config", str(run_dir / "config.json")]
         if resume_dir is not None:
             argv += ["--resume", str(resume_dir)]
+        if request.get("node"):  # a layout across targets: this container is node I of the layout
+            argv += ["--node", str(int(request["node"]["index"]))]
         if gpus:
             extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the layout's indices are nvidia-smi's
         else:

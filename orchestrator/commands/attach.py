@@ -1,4 +1,4 @@
-"""`dflashctl attach RUN [--read-only] [--target T]`: your terminal in the run's tmux session."""
+"""`dflashctl attach RUN [--read-only] [--target T] [--node N]`: your terminal in the run's tmux session."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ def attach_cmd(
     run: str = typer.Argument(..., help="Run id or experiment name."),
     read_only: bool = typer.Option(False, "--read-only", "-r", help="Attach read-only (keys do nothing)."),
     target: str = typer.Option(None, "--target", "-t", help="Target (default: the run's)."),
+    node: int = typer.Option(None, "--node", "-n", help="A run across targets: attach to node N's session."),
 ) -> None:
     """Attach your terminal to the run's tmux session (detach: Ctrl-b d; the run keeps going)."""
     from orchestrator.ops.attach import attach_command, exec_attach
 
-    exec_attach(attach_command(options.load(ctx), run, target=target, read_only=read_only))
+    exec_attach(attach_command(options.load(ctx), run, target=target, read_only=read_only, node=node))
 
 
 def register(app: typer.Typer) -> None:

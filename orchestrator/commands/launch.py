@@ -53,6 +53,16 @@ def launch_cmd(
 def _print(result, *, as_json: bool, follow: bool, grace: float) -> None:
     from orchestrator.render import console, print_json, text
 
+    if getattr(result, "nodes", None) is not None and not as_json:  # a layout across targets
+        out = console()
+        out.soft_wrap = True
+        what = "plan (dry run, nothing changed)" if result.dry_run else "launched"
+        out.print(text((what, "green"), f" {result.run_id} on {len(result.nodes)} nodes"))
+        for n in result.nodes:
+            out.print(f"  node {n['index']}: {n['target']}  {n['run_dir']}  session {n['session']}  GPUs {n['gpus'] or 'CPU'}",
+                      markup=False)
+        out.print(f"  follow: dflashctl logs {result.run_id} --follow    stop: dflashctl stop {result.run_id}")
+        return
     if as_json and follow and not result.dry_run:
         import json  # one JSON line, then those of the follow (as `logs --json` writes them)
 

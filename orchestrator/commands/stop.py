@@ -18,6 +18,11 @@ def stop_cmd(
     from orchestrator.render import EventPrinter, console, run_state
 
     res = stop_run(options.load(ctx), run, target=target, grace_s=grace, on_event=EventPrinter())
+    if isinstance(res, list):  # a run across targets: one result per node
+        for i, r in enumerate(res):
+            console().print(f"node {i}: " + (str(r) if isinstance(r, Exception) else
+                            f"run {r.run_id} {run_state(r.state, (r.exit or {}).get('stopped'))}"), soft_wrap=True)
+        return
     how = "had already ended" if res.already_ended else f"stopped with {', '.join(res.signals)}"
     console().print(f"run {res.run_id} {how}: {run_state(res.state, (res.exit or {}).get('stopped'))}"
                     + (f" (exit code {res.exit.get('exit_code')})" if res.exit else ""), soft_wrap=True)

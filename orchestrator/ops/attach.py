@@ -14,10 +14,11 @@ from orchestrator import names
 from orchestrator.errors import UserError
 
 
-def session_for(ref: str, inv=None) -> tuple[str, str | None, str | None]:
+def session_for(ref: str, inv=None, node: int | None = None) -> tuple[str, str | None, str | None]:
     """(session, experiment, target name) for a run id or an experiment name.
 
-    A recorded run gives its experiment and target; else `ref` must be an experiment of the inventory.
+    A recorded run gives its experiment and target (a run across targets: node `node`'s, default node 0);
+    else `ref` must be an experiment of the inventory (across targets: node `node`'s target).
 
     Raises:
         UserError: `ref` (or the record's experiment) breaks the name rule.
@@ -31,20 +32,40 @@ def session_for(ref: str, inv=None) -> tuple[str, str | None, str | None]:
     try:
         rec = find_record(ref)
         experiment = check_name("experiment", rec["experiment"])
-        return names.session_name(experiment), experiment, rec.get("target")
+        return names.session_name(experiment), experiment, _node_target(rec.get("nodes"), node, rec.get("target"), ref)
     except RunNotFound:
         if inv is None or ref not in getattr(inv, "experiments", {}):
             raise
     exp = inv.experiment(ref)
-    return names.session_name(ref), ref, exp.target
+    nodes = [{"target": t} for t in exp.layout.node_targets()] if exp.kind == "dflash" else []
+    return names.session_name(ref), ref, _node_target(nodes, node, exp.target, ref)
 
 
-def attach_command(inv, ref: str, *, target: str | None = None, read_only: bool = False) -> list[str]:
+def _node_target(nodes: list | None, node: int | None, default: str | None, ref: str) -> str | None:
+    """The target of node `node` of a run across targets (None: node 0, i.e. `default`).
+
+    Raises:
+        UserError: --node of a run on one target, or a node the run does not have.
+    """
+    from orchestrator.errors import UserError
+
+    if node is None:
+        return default
+    if not nodes or not 0 <= node < len(nodes):
+        count = len(nodes or []) or 1
+        raise UserError(f"{ref} runs on {count} node(s): there is no node {node}",
+                        fix=f"dflashctl attach {ref} --node N with N from 0 to {count - 1}")
+    return nodes[node]["target"]
+
+
+def attach_command(inv, ref: str, *, target: str | None = None, read_only: bool = False,
+                   node: int | None = None) -> list[str]:
     """`dflashctl attach`: the argv that attaches to the session of run or experiment `ref` on `target`
-    (default: the run's, else the inventory's default). Opens the target for its settings and closes it."""
+    (default: the run's, a run across targets: node `node`'s, else the inventory's default). Opens the target
+    for its settings and closes it."""
     from orchestrator.target import open_target
 
-    session, _experiment, tname = session_for(ref, inv)
+    session, _experiment, tname = session_for(ref, inv, node)
     tgt = open_target(inv, target or tname or inv.default_target())
     try:
         return tgt.attach_argv(session, read_only)

@@ -51,6 +51,8 @@ class LaunchSpec:
     venv_profile: dict = field(default_factory=dict)
     lock_hash: str | None = None
     """The expected venv lock hash; None: no lock to compare (the workstation interpreter)."""
+    node: dict | None = None
+    """A layout across targets: this node's {index, count, targets} (orchestrator.ops.nodes); None: one node."""
 
     def validate(self) -> None:
         """Raises UserError for an unsafe experiment/target/tag name or an unknown kind."""
@@ -79,6 +81,10 @@ def spec_from_inventory(inv, experiment: str, target: str | None = None, tag: st
         InventoryError / UserError: unknown or unsafe names.
     """
     exp = inv.experiment(experiment)
+    if exp.kind == "dflash" and exp.layout.nodes and target not in (None, exp.target):
+        raise UserError(f"experiment {experiment} runs on the targets of its layout's nodes "
+                        f"({', '.join(exp.layout.node_targets())}); --target {target} cannot move it",
+                        fix=f"dflashctl launch {experiment}   (or edit experiments.{experiment}.layout.nodes)")
     tname = target or exp.target
     tspec = inv.target(tname)
     vname = exp.venv or tspec.venv
@@ -117,7 +123,11 @@ def trainer_config(name: str, exp) -> dict:
 
     config = exp.trainer.model_dump(mode="json")
     lay = dict(config.get("layout") or {})
-    for key in ("target_gpus", "drafter_gpus"):
+    if exp.layout.nodes:
+        from orchestrator.inventory import trainer_layout
+
+        lay.update(trainer_layout(exp.layout), target_gpus=[], drafter_gpus=[])
+    for key in ("target_gpus", "drafter_gpus") if not exp.layout.nodes else ():
         want = list(getattr(exp.layout, key))
         own = list(lay.get(key) or [])
         if own and own != want:
@@ -163,6 +173,9 @@ class LaunchResult:
     plan: dict | None = None
     record_path: str | None = None
     resumed_from: str | None = None
+    env_fingerprint: dict | None = None
+    gpus_seen: list | None = None
+    bundle_hash: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -230,6 +243,9 @@ def launch(
         dry_run=bool(data.get("dry_run")),
         plan=data.get("plan"),
         resumed_from=data.get("resumed_from"),
+        env_fingerprint=data.get("env_fingerprint"),
+        gpus_seen=data.get("gpus_seen"),
+        bundle_hash=data.get("bundle_hash"),
     )
     if record and not result.dry_run:
         _record(spec, data, result, created)
@@ -250,6 +266,7 @@ def launch_request(spec: LaunchSpec, *, created: str, run_id: str, cli: str | No
         bundle_hash=build_bundle().hash, cli=cli, created=created, replace=replace, grace_s=grace_s,
         release_timeout_s=release_timeout_s, dry_run=dry_run, resume=resume, warmup_device=warmup_device,
         claim_wait_s=claim_wait_s, requested_by=requested_by(f"dflashctl launch {spec.experiment} --replace"),
+        node=spec.node,
     ).to_json()
 
 
@@ -282,12 +299,19 @@ def _record(spec: LaunchSpec, data: dict, result: LaunchResult, created: str) ->
 
 
 def launch_experiment(inv, experiment: str, *, target: str | None = None, tag: str | None = None,
-                      early=None, **kw) -> LaunchResult:
+                      early=None, **kw):
     """`dflashctl launch`: resolve `experiment` of `inv` (names checked before anything connects), open its
-    target (or `target`), launch, close. `early`: an orchestrator.preconnect.EarlyConnection; `kw`: launch's."""
+    target (or `target`), launch, close. `early`: an orchestrator.preconnect.EarlyConnection; `kw`: launch's.
+    Returns a LaunchResult, or for a layout across targets a nodes.NodesResult."""
     from orchestrator.target import open_target
 
     spec = spec_from_inventory(inv, experiment, target, tag)
+    if (spec.layout or {}).get("nodes"):  # a layout across targets: every node (orchestrator.ops.nodes)
+        from orchestrator.ops import nodes
+
+        if early is not None:
+            early.close()
+        return nodes.launch_experiment(inv, spec, **{k: v for k, v in kw.items() if k in nodes.LAUNCH_KW})
     tgt = open_target(inv, spec.target, early)
     try:
         return launch(tgt, spec, **kw)

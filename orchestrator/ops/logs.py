@@ -530,6 +530,20 @@ def _notify(inv, kind: str, run_id: str | None, experiment: str | None, message:
         notify(cfg, make_event(kind, run_id, experiment=experiment, message=message, diagnosis=diagnosis, **extra))
 
 
+def _run_across_targets(ref: str | None) -> dict | None:
+    """The workstation record of `ref` when it is a run across targets (it lists nodes), else None."""
+    from orchestrator.errors import RunNotFound
+    from orchestrator.records import find_record
+
+    if ref is None:
+        return None
+    try:
+        rec = find_record(ref)
+    except RunNotFound:
+        return None
+    return rec if rec.get("nodes") else None
+
+
 def logs(inv, ref: str | None = None, *, target: str | None = None, following: bool = True, tail: int | None = None,
          on_line=None, on_match=None, on_alert=None, on_status=None, on_event=None,
          backoff: Backoff | None = None) -> FollowOutcome:
@@ -540,6 +554,12 @@ def logs(inv, ref: str | None = None, *, target: str | None = None, following: b
     """
     if tail is not None and tail < 0:
         raise UserError(f"--tail must be >= 0, got {tail}", fix="dflashctl logs RUN --tail 100")
+    across = _run_across_targets(ref) if target is None else None
+    if across is not None:  # one stream of every node's log (orchestrator.ops.nodes)
+        from orchestrator.ops.nodes import follow_nodes
+
+        return follow_nodes(inv, across, tail=tail, following=following, on_line=on_line, on_status=on_status,
+                            backoff=backoff)
     target_name, run_id, experiment = resolve(inv, ref, target)
     from orchestrator.target import open_target
 

@@ -48,8 +48,10 @@ def stop(
     gpus: list[int] | None = None,
     gpu_idle_mib: int = 1024,
     on_event: Callable[[dict], None] | None = None,
+    lost_cause: dict | None = None,
 ) -> StopResult:
-    """Stop run `run_id` on `target`; with `gpus`, also wait until they are idle again.
+    """Stop run `run_id` on `target`; with `gpus`, also wait until they are idle again. `lost_cause`: a node
+    of a run across targets that vanished gets exit.json failed with this root cause (orchestrator.ops.nodes).
 
     Raises:
         UserError: unsafe run id (checked before anything reaches the target).
@@ -60,7 +62,7 @@ def stop(
 
     check_run_ref(run_id)
     request = StopRequest(run_id=run_id, grace_s=grace_s, gpus=gpus or [], gpu_idle_mib=gpu_idle_mib,
-                          requested_by=requested_by()).to_json()
+                          requested_by=requested_by(), lost_cause=lost_cause).to_json()
     # Worst case: two grace periods, the post-SIGKILL wait, and the GPU release wait.
     timeout = 2 * grace_s + 60 + (150 if gpus else 0)
     try:
@@ -85,7 +87,8 @@ def stop(
 def stop_run(inv, ref: str, *, target: str | None = None, grace_s: float = DEFAULT_GRACE_S,
              on_event: Callable[[dict], None] | None = None) -> StopResult:
     """`dflashctl stop`: the run `ref` (a recorded run id, or one the target knows) on `target`, else on the
-    target its record names, else the inventory's default; its recorded GPUs are waited for."""
+    target its record names, else the inventory's default; its recorded GPUs are waited for. A run across
+    targets (its record lists nodes): every node, a list of results (orchestrator.ops.nodes.stop_run)."""
     from orchestrator.records import find_record
     from orchestrator.target import open_target
 
@@ -93,6 +96,10 @@ def stop_run(inv, ref: str, *, target: str | None = None, grace_s: float = DEFAU
         rec = find_record(ref)
     except RunNotFound:
         rec = {"run_id": ref, "target": target}
+    if rec.get("nodes") and target is None:  # a run across targets: every node (one result each)
+        from orchestrator.ops import nodes
+
+        return nodes.stop_run(inv, rec, grace_s=grace_s, on_event=on_event)
     tname = target or rec.get("target") or inv.default_target()
     tgt = open_target(inv, tname)
     try:

@@ -119,6 +119,8 @@ def test_a_config_across_nodes_needs_a_rendezvous_host_and_port():
     assert lay.node_specs[1].name == "ct201" and lay.world_size == 3
     with pytest.raises(ValidationError, match=r"across 2 nodes needs `rendezvous: HOST:PORT`"):
         LayoutConfig(nodes=nodes)
+    with pytest.raises(ValidationError, match=r"nodes\[1\] has node 0's address 10.0.0.200: give every node its own"):
+        LayoutConfig(nodes=[nodes[0], {**nodes[1], "addr": "10.0.0.200"}], rendezvous="10.0.0.200:29400")
     for bad in ("10.0.0.200", "10.0.0.200:0", ":29400", "host:99999", "host:http"):
         with pytest.raises(ValidationError, match="must be HOST:PORT with a port 1-65535"):
             LayoutConfig(nodes=nodes, rendezvous=bad)

@@ -30,7 +30,7 @@ def free_port() -> int:
 
 def two_node_layout(port: int) -> dict:
     return {"nodes": [{"num_target_procs": 1, "name": "ct200", "addr": "127.0.0.1"},
-                      {"num_drafter_procs": 2, "name": "ct201", "addr": "127.0.0.1"}],
+                      {"num_drafter_procs": 2, "name": "ct201", "addr": "127.0.0.2"}],
             "rendezvous": f"127.0.0.1:{port}"}
 
 

@@ -243,6 +243,7 @@ def _start_run(request: dict, workdir: str, run_id: str, session: str, src: resu
         "replaced": replaced,
         "resumed_from": None if src is None else src.run_id,
         "resumed_step": None if src is None else src.step,
+        "node": request.get("node"),
         ownlines.RUN_JSON_KEY: mark,
     }
     runs.write_json(run_dir / "run.json", info)
@@ -250,8 +251,10 @@ def _start_run(request: dict, workdir: str, run_id: str, session: str, src: resu
     emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
 
     if dflash:
-        emit.progress("layout", _describe_layout(gpus, (config or {}).get("layout") or {}))
-        warm_up({**request, "layout": (config or {}).get("layout") or {}}, run_dir, env, emit,
+        emit.progress("layout", _describe_layout(gpus, (config or {}).get("layout") or {}, request.get("node")))
+        # Across nodes the request's layout is this node's GPUs; on one node, the config's.
+        lay = request.get("layout") if request.get("node") else (config or {}).get("layout")
+        warm_up({**request, "layout": lay or {}}, run_dir, env, emit,
                 device=str(request.get("warmup_device") or "cuda"))
 
     s = tmuxctl.new_session(session, tmux_command, str(run_dir), run_id)
@@ -285,7 +288,11 @@ def _start_log(run_dir: Path, mark: str, argv: list[str]) -> None:
         os.close(fd)
 
 
-def _describe_layout(gpus: list[int], layout: dict) -> str:
+def _describe_layout(gpus: list[int], layout: dict, node: dict | None = None) -> str:
+    if node and layout.get("nodes"):
+        n = layout["nodes"][int(node["index"])]
+        return (f"node {node['index']} of {node['count']} (rendezvous {layout.get('rendezvous')}): "
+                + _describe_layout(gpus, {k: v for k, v in n.items() if k != "name"}))
     t, d = layout.get("target_gpus") or [], layout.get("drafter_gpus") or []
     if t or d:
         return f"{len(t)} target process(es) on GPUs {t}, {len(d)} drafter process(es) on GPUs {d}: one process per GPU"
