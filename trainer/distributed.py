@@ -320,8 +320,10 @@ def send_batch(batch: PackedBatch, report: BatchReport, dst: int, spec: FeatureS
         [(work, tensor)] pairs: keep them (the tensors must live until `work.wait()` returns).
     """
     out = []
-    for tag, t in enumerate(pack_batch(batch, report, spec)):
-        out.append((dist.isend(t, dst=dst, tag=tag), t))
+    tensors = pack_batch(batch, report, spec)  # a shape error is this rank's own, not a lost peer
+    with talking_to(f"sending features to rank {dst}", dst):  # posting fails at once on a pair already broken
+        for tag, t in enumerate(tensors):
+            out.append((dist.isend(t, dst=dst, tag=tag), t))
     return out
 
 
@@ -341,7 +343,9 @@ class PendingBatch:
         self._ids = torch.empty((4, R, L), dtype=torch.long, device=spec.device)
         self._feats = torch.empty((R, L, spec.feat_dim), dtype=spec.feat_dtype, device=spec.device)
         self._report = torch.empty((REPORT_LEN,), dtype=torch.float64, device=spec.device)
-        self._works = [dist.irecv(t, src=src, tag=tag) for tag, t in enumerate((self._ids, self._feats, self._report))]
+        with talking_to(f"receiving features from rank {src}", src):
+            self._works = [dist.irecv(t, src=src, tag=tag)
+                           for tag, t in enumerate((self._ids, self._feats, self._report))]
 
     def wait(self) -> tuple[PackedBatch, BatchReport]:
         """Block until all three messages are in (PeerLostError on a peer failure or the collective timeout)."""

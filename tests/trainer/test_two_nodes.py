@@ -121,6 +121,7 @@ def test_a_lost_node_ends_the_other_and_is_named_as_the_cause(tmp_path, env):
     out = output(dirs[0])
     assert procs[0].returncode != 0 and elapsed < 60, (procs[0].returncode, elapsed, out[-3000:])
     doc = json.loads((dirs[0] / "root_cause.json").read_text())
+    assert "lost" in doc, (doc, out[-3000:])
     assert doc["lost"]["node"] == 1 and doc["lost"]["node_name"] == "ct201" and doc["lost"]["rank"] in (1, 2)
     assert doc["summary"].startswith(f"lost rank {doc['lost']['rank']} (drafter, node 1 (ct201), local rank ")
     assert (doc["rank"], doc["node"], doc["peer_lost"]) == (0, 0, True)
