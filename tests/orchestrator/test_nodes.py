@@ -273,3 +273,14 @@ def test_runs_diff_compares_every_nodes_fingerprint():
     d = diff_records(a, b)
     assert d.packages == [("node 1 (ct201): torch", "2.13.0", "2.12.0")]
     assert d.environment == [("node 1 (ct201): gpus", [0, 1], [0])]
+
+
+def test_attach_node_n_is_that_nodes_target_and_a_missing_node_says_which_exist():
+    from orchestrator.ops.attach import session_for
+
+    inv = parse_inventory(TWO_NODES, "inv.yaml")
+    assert session_for("two", inv, 1) == ("dflash-two", "two", "ct201")
+    assert session_for("two", inv) == ("dflash-two", "two", "ct200")
+    with pytest.raises(UserError, match=r"two runs on 2 node\(s\): there is no node 2") as info:
+        session_for("two", inv, 2)
+    assert info.value.fix == "dflashctl attach two --node N with N from 0 to 1"
