@@ -69,6 +69,10 @@ def _eval(args) -> int:
         err = exc.errors()[0]
         raise ValueError(f"--{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cpu":
+        from trainer.config import LayoutConfig
+
+        _rank_threads(LayoutConfig().to_layout())  # a CPU rank's threads: decoding a small model is latency-bound
     report = evaluate_export(
         args.export, args.target, args.prompts, cfg, max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts,
         device=device, target_dtype=getattr(torch, args.target_dtype), chat_template_kwargs=kwargs,
@@ -94,9 +98,9 @@ def _print_export_tau(cfg) -> None:
 
 
 def _rank_threads(layout) -> None:
-    """This process trains as a launched rank would: with the intra-op threads `trainer.launch` gives a rank
-    (one on CPU unless OMP_NUM_THREADS says otherwise: two threads made the tiny run's τ evaluation ~10x
-    slower on a busy 2-core machine)."""
+    """This process runs as a launched rank of `layout` would: with the intra-op threads `trainer.launch`
+    gives a rank (one on CPU unless OMP_NUM_THREADS says otherwise: two threads made a τ evaluation of the
+    tiny drafter ~35x slower on a busy 2-core machine, 55 s against 1.5 s)."""
     import os
 
     import torch
