@@ -14,11 +14,20 @@ def status_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Container state, GPUs (used/total MiB), tmux sessions and runs with their state."""
-    from orchestrator.ops.status import status_of
+    from orchestrator import preconnect
+
+    # Only a target named here can connect early: the default comes from the validated inventory.
+    early = preconnect.start(options.options(ctx).inventory, target) if target else None
+    try:
+        from orchestrator.ops.status import status_of
+
+        inv = options.load(ctx)
+        st = status_of(inv, target or inv.default_target(), limit=limit, early=early)
+    finally:
+        if early is not None:
+            early.close()
     from orchestrator.render import print_json
 
-    inv = options.load(ctx)
-    st = status_of(inv, target or inv.default_target(), limit=limit)
     if as_json:
         print_json(st.to_dict())
         return

@@ -67,11 +67,12 @@ def status(target, *, limit: int = 20, timeout: float | None = 120) -> TargetSta
     )
 
 
-def status_of(inv, target: str, *, limit: int = 20) -> TargetStatus:
-    """`dflashctl status`: open `target` of `inv`, ask it (status), close it."""
+def status_of(inv, target: str, *, limit: int = 20, early=None) -> TargetStatus:
+    """`dflashctl status`: open `target` of `inv` (`early`: an orchestrator.preconnect.EarlyConnection), ask it
+    (status), close it."""
     from orchestrator.target import open_target
 
-    tgt = open_target(inv, target)
+    tgt = open_target(inv, target, early)
     try:
         return status(tgt, limit=limit)
     finally:

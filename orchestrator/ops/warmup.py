@@ -71,14 +71,14 @@ def warmup(
 
 
 def warmup_experiment(inv, experiment: str, *, target: str | None = None,
-                      on_event: Callable[[dict], None] | None = None) -> WarmupResult:
-    """`dflashctl warmup`: resolve `experiment` (names checked before anything connects), open its target (or
-    `target`), warm up, close."""
+                      on_event: Callable[[dict], None] | None = None, early=None) -> WarmupResult:
+    """`dflashctl warmup`: resolve `experiment` (names checked before anything runs), open its target (or
+    `target`; `early`: an orchestrator.preconnect.EarlyConnection), warm up, close."""
     from orchestrator.ops.launch import spec_from_inventory
     from orchestrator.target import open_target
 
     spec = spec_from_inventory(inv, experiment, target)
-    tgt = open_target(inv, spec.target)
+    tgt = open_target(inv, spec.target, early)
     try:
         return warmup(tgt, spec, on_event=on_event)
     finally:

@@ -70,7 +70,7 @@ def test_status_gets_the_inventory_the_target_and_the_limit(monkeypatch, inv):
     rec = patch(monkeypatch, "orchestrator.ops.status", "status_of", TargetStatus("here", "local"))
     assert main(["-i", inv, "status", "--target", "here", "--limit", "3"]) == 0
     (args, kwargs), = rec.calls
-    assert args[0].source == inv and args[1:] == ("here",) and kwargs == {"limit": 3}
+    assert args[0].source == inv and args[1:] == ("here",) and kwargs == {"limit": 3, "early": None}
     assert main(["-i", inv, "status"]) == 0
     assert rec.calls[1][0][1] == rec.calls[1][0][0].default_target() == "here"  # the only target
 

@@ -73,3 +73,21 @@ def test_an_unknown_host_key_met_early_is_the_error_open_target_raises(fake_pve,
     with pytest.raises(HostKeyError) as info:
         open_target(inv, "ct", early)
     assert info.value.message == late.value.message and info.value.fix == late.value.fix
+
+
+def test_status_of_a_container_named_on_the_command_line_connects_early(fake_pve, tmp_path, monkeypatch):
+    """The verb hands the early connection to its op (which hands it to open_target)."""
+    from orchestrator.cli import main
+    from orchestrator.ops import status as status_ops
+
+    path = write_inv(tmp_path, fake_pve.host_entry())
+    seen = []
+
+    def fake_status_of(inv, target, *, limit=20, early=None):
+        seen.append((target, early is not None and early.key == HostKey.of("pve", inv.host("pve"))))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(status_ops, "status_of", fake_status_of)
+    with pytest.raises(SystemExit):
+        main(["-i", str(path), "status", "--target", "ct"])
+    assert seen == [("ct", True)]
