@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ~1-2 min alone; far longer when the 2 cores are shared
+@pytest.mark.timeout(2700)  # a few minutes alone; ~25 min for the run when 2 cores are shared by five agents
 def test_tiny_experiment_learns_to_draft(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, DFLASH_TINY_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
@@ -51,13 +51,16 @@ def test_tiny_experiment_learns_to_draft(tmp_path):
     assert modes == {(None, 0.0), (16, 0.0)}  # the chain and B=16, greedy: the run stays near a minute
     assert f"export τ {shipped['tau']:.3f}" in proc.stdout and "B=16" in proc.stdout
     assert shipped["tau"] >= 2.0
-    # the printed command measures every mode on the same export; pasted as printed (here with fewer modes)
+    # the printed command measures every mode on the same export, pasted as printed (here B=128 and T=0 only,
+    # to keep the test short): the same chain τ as the run's own, and τ growing with the budget
     [line] = [x for x in proc.stdout.splitlines() if x.startswith("every budget and temperature")]
     command = shlex.split(line.split(": ", 1)[1])
     assert command[1:5] == ["-m", "trainer", "eval", "--export"] and "--budgets" not in command
     report = tmp_path / "full.json"
-    full = subprocess.run(command + ["--budgets", "16,128", "--temperatures", "0", "--json", str(report)],
+    full = subprocess.run(command + ["--budgets", "128", "--temperatures", "0", "--json", str(report)],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert full.returncode == 0, full.stderr[-3000:]
-    greedy = {r["budget"]: r["tau"] for r in json.loads(report.read_text())["results"] if r["temperature"] == 0}
-    assert greedy[128] > greedy[16] > greedy[None], greedy  # DDTree: τ grows with the budget
+    greedy = {r["budget"]: r["tau"] for r in shipped["results"]}
+    wide = {r["budget"]: r["tau"] for r in json.loads(report.read_text())["results"]}
+    assert wide[None] == greedy[None]
+    assert wide[128] > greedy[16] > greedy[None], (greedy, wide)  # DDTree: τ grows with the budget
