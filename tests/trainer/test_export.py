@@ -230,3 +230,39 @@ def test_published_decode_loop_runs_the_export_with_a_dynamic_cache(interpreter,
         assert p["ours_tau"] == pytest.approx(sum(p["published_lens"]) / len(p["published_lens"]))
         accepted += sum(n > 1 for n in p["published_lens"])
     assert accepted >= 4  # rounds that kept drafts: the crop after a partial acceptance was exercised
+
+
+def test_config_json_is_the_reference_layout_field_by_field(qwen3_target):
+    """Every field of the exported config.json, as the reference loader reads it (the fixed ones written out:
+    a renamed key or a changed constant is a different file for every consumer)."""
+    from trainer.export import draft_config_dict
+
+    drafter = _drafter(qwen3_target, layers=2)
+    c, tcfg = drafter.cfg, qwen3_target.config
+    bos, eos = getattr(tcfg, "bos_token_id", None), getattr(tcfg, "eos_token_id", None)
+    expected = {
+        "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 2, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+        "attention_bias": False, "attention_dropout": 0.0, "layer_types": ["full_attention"] * 2,
+        "sliding_window": None, "use_sliding_window": False, "max_window_layers": 2, "tie_word_embeddings": False,
+        "dtype": "bfloat16", "torch_dtype": "bfloat16",
+        "bos_token_id": bos if isinstance(bos, (int, list)) else None,
+        "eos_token_id": eos if isinstance(eos, (int, list)) else None,
+        "initializer_range": 0.02, "use_cache": True, "block_size": c.block_size,
+        "num_target_layers": c.num_target_layers,
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
+                          "block_size": c.block_size},
+    }
+    assert draft_config_dict(drafter, qwen3_target) == expected
+    assert draft_config_dict(drafter, qwen3_target, torch.float32)["torch_dtype"] == "float32"
+    tcfg.bos_token_id, tcfg.eos_token_id = 7, [8, 9]  # the target's token ids pass through, an int or a list
+    try:
+        got = draft_config_dict(drafter, qwen3_target)
+        assert (got["bos_token_id"], got["eos_token_id"]) == (7, [8, 9])
+    finally:
+        tcfg.bos_token_id, tcfg.eos_token_id = bos, eos
