@@ -55,7 +55,7 @@ def run_nodes(name: str, root: Path, steps: int, layout: dict, env: dict) -> tup
     procs, dirs = [], []
     t0 = time.monotonic()
     for i in range(count):
-        out = root / name / f"node{i}"
+        out = root / name / f"node{i}" / "run"  # the same directory name on every node: it is the rendezvous id
         path = root / f"{name}-node{i}.json"
         path.write_text(json.dumps(_config(out, steps, layout)))
         log = open(root / f"{name}-node{i}.log", "w")

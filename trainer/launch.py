@@ -107,7 +107,9 @@ def launch_config(cfg: TrainConfig, layout: Layout, run_dir: Path, node: Node = 
         min_nodes=node.count,
         max_nodes=node.count,
         nproc_per_node=len(layout.node_ranks(node.index)),
-        run_id=run_dir.name,  # every node of a run must use the same id: the run directory's name is it
+        # Every node of a run must use the same id: the run directory's name is it (dflashctl gives each node's
+        # run directory the run id; by hand, name every node's output_dir alike, or the nodes never meet).
+        run_id=run_dir.name,
         rdzv_backend="c10d",
         rdzv_endpoint=node.rdzv_endpoint,
         # Node 0 hosts the rendezvous store, explicitly: where the nodes share an address (containers on
