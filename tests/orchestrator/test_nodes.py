@@ -231,10 +231,21 @@ def test_pct_stop_of_one_node_fails_the_run_on_both_and_resume_continues(pve, tw
     assert cause["lost"]["rank"] in (1, 2) and cause["summary"].startswith(f"lost rank {cause['lost']['rank']} (drafter, node 1 (ct201)")
     assert not (runs[1] / "exit.json").exists()  # nothing in a stopped container can write it
 
-    # The container comes back; `stop` of the run gives the lost node its exit.json: failed, the same cause.
-    subprocess.run(pve.ssh_argv("pct", "start", "201"), check=True, timeout=60)
+    # `logs --follow` of the run: both nodes in one stream; node 1 cannot be reached, and the follow ends with
+    # the run's outcome as soon as node 0's cause names node 1 as lost.
+    from orchestrator.ops.nodes import follow_nodes
     from orchestrator.records import find_record
 
+    lines: list[str] = []
+    t1 = time.monotonic()
+    outcome = follow_nodes(inv, find_record(res.run_id), on_line=lines.append)
+    assert time.monotonic() - t1 < 60 and outcome.state == "failed", (outcome.to_dict(), lines[-20:])
+    assert outcome.exit["root_cause"]["lost"]["node_name"] == "ct201"
+    assert any(ln.startswith("[ct200] [launch] run failed: lost rank") for ln in lines), lines[-20:]
+    assert any(ln.startswith("[ct200] [node 0 local rank 0] target rank 0") for ln in lines), lines[-40:]
+
+    # The container comes back; `stop` of the run gives the lost node its exit.json: failed, the same cause.
+    subprocess.run(pve.ssh_argv("pct", "start", "201"), check=True, timeout=60)
     rec = find_record(res.run_id)
     targets = [open_target(inv, n["target"]) for n in rec["nodes"]]
     try:
