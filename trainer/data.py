@@ -578,3 +578,37 @@ def target_features(
     if out is None:
         raise DataError("a step with no documents: nothing to compute features for")
     return out
+
+
+def read_prompts(files: Sequence[str], tokenizer: Any, chat_template_kwargs: dict | None, report: SkipReport,
+                 missing_hint: str) -> list[list[int]]:
+    """Held-out prompts: each jsonl record's messages up to (not including) its first assistant turn, through
+    the tokenizer's chat template with the generation prompt (the deployment's template).
+
+    A record without an assistant turn is a prompt as it is. Unreadable records are skipped and counted in
+    `report` with file:line. A missing file raises DataError whose message ends with `missing_hint` (where the
+    caller's user named the file).
+    """
+    kw, prompts = dict(chat_template_kwargs or {}), []
+    for path in files:
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"{p}: no such prompt file ({missing_hint})")
+        for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                msgs = obj.get("messages", obj.get("conversations")) if isinstance(obj, dict) else None
+                if isinstance(msgs, list) and not any(
+                    isinstance(m, dict) and m.get("role", m.get("from")) in ("assistant", "gpt") for m in msgs
+                ):
+                    obj = {"messages": msgs + [{"role": "assistant", "content": "-"}]}  # validates as a turn
+                messages = normalize_record(obj)
+            except (json.JSONDecodeError, BadRecord) as exc:
+                report.add(f"{p}:{lineno}", exc if isinstance(exc, BadRecord) else BadRecord("bad JSON", str(exc)))
+                continue
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            text = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, tokenize=False, **kw)
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts

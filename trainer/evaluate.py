@@ -514,32 +514,11 @@ def load_prompts(files: list[str], tokenizer, chat_template_kwargs: dict | None 
     Raises:
         DataError: a missing file, or no usable prompt at all (the message lists why records were skipped).
     """
-    import json
+    from trainer.data import DataError, SkipReport, read_prompts
 
-    from trainer.data import BadRecord, DataError, SkipReport, normalize_record
-
-    report, prompts, kw = SkipReport(), [], dict(chat_template_kwargs or {})
-    for path in files:
-        p = Path(path)
-        if not p.is_file():
-            raise DataError(f"{p}: no such prompt file (a jsonl of conversations with `messages`)")
-        for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                msgs = obj.get("messages", obj.get("conversations")) if isinstance(obj, dict) else None
-                if isinstance(msgs, list) and not any(
-                    isinstance(m, dict) and m.get("role", m.get("from")) in ("assistant", "gpt") for m in msgs
-                ):
-                    obj = {"messages": msgs + [{"role": "assistant", "content": "-"}]}  # validates as a turn
-                messages = normalize_record(obj)
-            except (json.JSONDecodeError, BadRecord) as exc:
-                report.add(f"{p}:{lineno}", exc if isinstance(exc, BadRecord) else BadRecord("bad JSON", str(exc)))
-                continue
-            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            text = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, tokenize=False, **kw)
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    report = SkipReport()
+    prompts = read_prompts(files, tokenizer, chat_template_kwargs, report,
+                           "a jsonl of conversations with `messages`")
     if not prompts:
         raise DataError(f"no usable prompt in {', '.join(map(str, files))}: {report.summary()}")
     return prompts

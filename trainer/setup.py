@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data import DataError, Sample, SkipReport, load_samples, read_conversations, regenerate, save_samples, tokenize
+from trainer.data import (
+    DataError, Sample, SkipReport, load_samples, read_conversations, read_prompts, regenerate, save_samples, tokenize,
+)
 
 SAMPLES = Path("data") / "samples.jsonl"
 """Where the tokenised samples of a run live, relative to the run directory."""
@@ -107,33 +109,7 @@ def resolve_sources(cfg: TrainConfig, log: Callable[[str], None]) -> Sources:
 
 def load_eval_prompts(files: list[str], tokenizer: Any, kw: dict, report: SkipReport) -> list[list[int]]:
     """Held-out prompts: each record's messages up to (not including) its first assistant turn."""
-    from trainer.data import BadRecord, normalize_record
-
-    prompts = []
-    for path in files:
-        p = Path(path)
-        if not p.is_file():
-            raise DataError(f"{p}: no such eval file (check data.eval_files)")
-        for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                # An eval record may lack an assistant turn: add a placeholder so it validates.
-                msgs = obj.get("messages", obj.get("conversations")) if isinstance(obj, dict) else None
-                if isinstance(msgs, list) and not any(
-                    isinstance(m, dict) and m.get("role", m.get("from")) in ("assistant", "gpt") for m in msgs
-                ):
-                    obj = {"messages": msgs + [{"role": "assistant", "content": "-"}]}
-                messages = normalize_record(obj)
-            except (json.JSONDecodeError, BadRecord) as exc:
-                err = exc if isinstance(exc, BadRecord) else BadRecord("bad JSON", str(exc))
-                report.add(f"{p}:{lineno}", err)
-                continue
-            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            text = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, tokenize=False, **kw)
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return prompts
+    return read_prompts(files, tokenizer, kw, report, "check data.eval_files")
 
 
 def target_dtype(device: torch.device) -> torch.dtype:
