@@ -45,9 +45,11 @@ def launch_cmd(
     if follow and not dry_run:
         from orchestrator.commands.logs import follow_and_print
 
-        # The whole log from its first line, printed exactly as `dflashctl logs RUN --follow` prints it.
-        raise typer.Exit(follow_and_print(inv, result.run_id, target=result.target, follow=True, tail=None,
-                                          as_json=as_json))
+        # The whole log from its first line, printed exactly as `dflashctl logs RUN --follow` prints it (a run
+        # across targets: no target, so that logs follows every node in one stream).
+        across = getattr(result, "nodes", None) is not None
+        raise typer.Exit(follow_and_print(inv, result.run_id, target=None if across else result.target, follow=True,
+                                          tail=None, as_json=as_json))
 
 
 def _print(result, *, as_json: bool, follow: bool, grace: float) -> None:

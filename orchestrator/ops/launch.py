@@ -311,6 +311,10 @@ def launch_experiment(inv, experiment: str, *, target: str | None = None, tag: s
 
         if early is not None:
             early.close()
+        if kw.get("replace"):  # refused, not ignored: the live run would stay and the launch be refused later
+            raise UserError(f"--replace does not apply to {experiment}: its layout runs across targets "
+                            "(stopping the live run on every node first is not built yet)",
+                            fix=f"dflashctl stop RUN (the live run of {experiment}), then dflashctl launch {experiment}")
         return nodes.launch_experiment(inv, spec, **{k: v for k, v in kw.items() if k in nodes.LAUNCH_KW})
     tgt = open_target(inv, spec.target, early)
     try:

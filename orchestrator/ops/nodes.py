@@ -243,7 +243,7 @@ def stop_nodes(targets: list, run_id: str, record: dict, *, grace_s: float = 20.
 
 
 LAUNCH_KW = ("dry_run", "cli", "resume", "warmup_device", "record", "now", "on_event", "timeout")
-"""The keyword arguments of launch_nodes (`launch --replace` and --grace do not apply across nodes yet)."""
+"""The keyword arguments of launch_nodes (`launch --replace` is refused across nodes: ops.launch)."""
 
 
 def launch_experiment(inv, spec, **kw) -> NodesResult:

@@ -295,3 +295,16 @@ def test_attach_node_n_is_that_nodes_target_and_a_missing_node_says_which_exist(
     with pytest.raises(UserError, match=r"two runs on 2 node\(s\): there is no node 2") as info:
         session_for("two", inv, 2)
     assert info.value.fix == "dflashctl attach two --node N with N from 0 to 1"
+
+
+def test_launch_replace_across_targets_is_refused_before_any_connection(dflashctl, tmp_path):
+    """`--replace` is refused for a layout across targets (one error line and the fix, exit 1), not silently
+    dropped: the hosts here do not even resolve, so any connection attempt would have failed otherwise."""
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(TWO_NODES.replace("pve1.lan", "pve1.invalid"))
+    res = dflashctl("-i", str(inv), "launch", "two", "--replace")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr.splitlines() == [
+        "error: --replace does not apply to two: its layout runs across targets (stopping the live run on every "
+        "node first is not built yet)",
+        "fix: dflashctl stop RUN (the live run of two), then dflashctl launch two"]
