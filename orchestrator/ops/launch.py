@@ -96,7 +96,7 @@ def spec_from_inventory(inv, experiment: str, target: str | None = None, tag: st
         tag=tag,
         gpu_idle_mib=getattr(tspec, "gpu_idle_mib", 1024),
         venv_profile={"name": vname, **vspec.model_dump()},
-        lock_hash=_expected_lock_hash(vspec),
+        lock_hash=expected_lock_hash(vspec),
     )
     if exp.kind == "dflash":
         spec.layout = exp.layout.model_dump()
@@ -144,7 +144,7 @@ def trainer_config(name: str, exp) -> dict:
     return config
 
 
-def _expected_lock_hash(vspec) -> str | None:
+def expected_lock_hash(vspec) -> str | None:
     """The lock hash a uv venv profile must match (None for the workstation interpreter: no lock).
 
     Raises:

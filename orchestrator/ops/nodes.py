@@ -52,7 +52,7 @@ def node_specs(inv, spec) -> list:
     Raises:
         UserError: a node's venv profile locks another lock than node 0's.
     """
-    from orchestrator.ops.launch import _expected_lock_hash
+    from orchestrator.ops.launch import expected_lock_hash
 
     nodes = spec.layout["nodes"]
     names = [n["target"] for n in nodes]
@@ -67,7 +67,7 @@ def node_specs(inv, spec) -> list:
         one.layout = {"target_gpus": list(n.get("target_gpus", [])), "drafter_gpus": list(n.get("drafter_gpus", []))}
         one.gpu_idle_mib = getattr(tspec, "gpu_idle_mib", 1024)
         one.venv_profile = {"name": vname, **vspec.model_dump()}
-        one.lock_hash = _expected_lock_hash(vspec)
+        one.lock_hash = expected_lock_hash(vspec)
         one.node = {"index": i, "count": len(nodes), "targets": names}
         out.append(one)
     locks = {s.lock_hash for s in out}

@@ -113,7 +113,7 @@ def test_warmup_metrics_rebuild_and_attach_get_their_arguments(monkeypatch, inv)
     att = patch(monkeypatch, "orchestrator.ops.attach", "attach_command", ["tmux", "attach-session", "-t", "=dflash-e"])
     execd = patch(monkeypatch, "orchestrator.ops.attach", "exec_attach")
     assert main(["-i", inv, "attach", "e", "-r"]) == 0
-    assert att.calls[0][0][1:] == ("e",) and att.calls[0][1] == {"target": None, "read_only": True}
+    assert att.calls[0][0][1:] == ("e",) and att.calls[0][1] == {"target": None, "read_only": True, "node": None}
     assert execd.calls == [((["tmux", "attach-session", "-t", "=dflash-e"],), {})]
 
 
