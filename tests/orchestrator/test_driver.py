@@ -145,8 +145,13 @@ def test_installed_torch_here_is_a_cpu_build():
 def test_the_check_command_in_a_container_reads_a_fingerprint(fake_pve, tmp_path):
     # What rebuild_venv.sh runs after verify, with the fingerprint verify wrote: here one that claims a CUDA
     # 13.0 torch (the one seam: torch cannot run CUDA on this machine), against the stand-in driver.
+    import shutil
+
     ct = fake_pve.create_container(341, gpus=1)
-    repo = str(Path(__file__).resolve().parents[2])
+    # The package travels into the workdir: a checkout under /tmp is not visible in a container (its own /tmp).
+    repo = str(Path(ct.workdir) / "src")
+    shutil.copytree(Path(__file__).resolve().parents[2] / "orchestrator", Path(repo) / "orchestrator",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     code = "import sys; sys.path.insert(0, sys.argv[1]); from orchestrator.agent.driver import main; sys.exit(main(sys.argv[2:]))"
     fp = Path(ct.workdir) / "fp.json"
     try:
