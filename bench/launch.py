@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from cli_startup import console_script  # noqa: E402  (bench/ is sys.path[0]: the one finder of the console script)
 from fakehost import FakePVE  # noqa: E402
 
 from orchestrator import assets  # noqa: E402
@@ -90,15 +90,6 @@ def bare_exec(pve: FakePVE) -> None:
                          capture_output=True, timeout=60)
     if res.returncode != 0:
         raise RuntimeError(f"bare pct exec failed ({res.returncode}): {res.stderr.decode()[-300:]}")
-
-
-def console_script() -> list[str]:
-    """The installed `dflashctl` entry point, run by this interpreter (a pyenv shim's own start-up is not ours)."""
-    beside = Path(sys.executable).parent / "dflashctl"
-    exe = str(beside) if beside.is_file() else shutil.which("dflashctl")
-    if exe is None:
-        raise SystemExit("the dflashctl console script is not installed: pip install -e .")
-    return [sys.executable, exe]
 
 
 def write_inventory(pve: FakePVE, ct, path: Path) -> Path:
