@@ -126,7 +126,9 @@ def launch_config(cfg: TrainConfig, layout: Layout, run_dir: Path, node: Node = 
 def rank_environment(layout: Layout, base: dict[str, str], node: int = 0) -> dict[str, str]:
     """What this process adds to its environment before the agent copies it into every rank (pure).
 
-    Lines reach the log as they happen (PYTHONUNBUFFERED); every attempt gets its own rendezvous store; GPU
+    Lines reach the log as they happen (PYTHONUNBUFFERED) and whole: no progress bars (transformers' `Loading
+    weights` bar writes a line without its newline, and the agent's tee then glued the next line onto it, so
+    a log reader missed `step 6/6` behind `[node 1 local rank 0] Loading weights: 0%|...`); every attempt gets its own rendezvous store; GPU
     indices are nvidia-smi's (PCI bus order). CPU ranks get one intra-op thread each unless OMP_NUM_THREADS
     is set: CPU layouts are the tiny demo and the tests, whose matmuls take microseconds, so more threads only
     add synchronisation (a τ evaluation of the tiny drafter on a busy 2-core machine: 1.5 s with one thread,
@@ -135,7 +137,8 @@ def rank_environment(layout: Layout, base: dict[str, str], node: int = 0) -> dic
     # A fresh rendezvous store per attempt, hosted by rank 0: with the store shared with the agent (torch's
     # default), a restarted attempt read the previous attempt's gloo addresses and failed to connect
     # ("connectFullMesh ... Connection refused"; pytorch/pytorch#135712).
-    env = {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", NODE_ENV: str(node)}
+    env = {"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           NODE_ENV: str(node)}
     if layout.uses_gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     elif "OMP_NUM_THREADS" not in base:

@@ -274,8 +274,9 @@ def test_rank_environment():
     from trainer.layout import Layout
 
     cpu = Layout(num_target_procs=1, num_drafter_procs=2)
-    assert rank_environment(cpu, {}) == {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                                         "DFLASH_NODE": "0", "OMP_NUM_THREADS": "1"}
+    assert rank_environment(cpu, {}) == {"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DFLASH_NODE": "0",
+                                         "OMP_NUM_THREADS": "1"}
     assert rank_environment(cpu, {}, node=1)["DFLASH_NODE"] == "1"  # the ranks' place in the layout
     assert "OMP_NUM_THREADS" not in rank_environment(cpu, {"OMP_NUM_THREADS": "4"})  # the user's stays
     gpu = rank_environment(Layout(target_gpus=[0], drafter_gpus=[1]), {})

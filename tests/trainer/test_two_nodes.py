@@ -99,6 +99,8 @@ def test_two_nodes_match_the_single_process_run(tmp_path, env):
     assert "[launch] local rank 1: rank 2 (drafter) on the CPU" in outs[1]
     assert re.search(r"^\[node 0 local rank 0\] target rank 0: sent every batch", outs[0], re.M), outs[0][-3000:]
     assert re.search(r"^\[node 1 local rank 0\] step 6/6 loss", outs[1], re.M), outs[1][-3000:]
+    # Whole lines only: a progress bar's line without its newline glued the next rank line onto it.
+    assert "Loading weights" not in outs[1] and all(line.count("[node ") <= 1 for line in outs[1].splitlines())
     got = [r for r in read_metrics(dirs[1] / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 7))
     for a, b in zip(ref, got):
