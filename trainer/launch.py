@@ -127,9 +127,9 @@ def rank_environment(layout: Layout, base: dict[str, str], node: int = 0) -> dic
     """What this process adds to its environment before the agent copies it into every rank (pure).
 
     Lines reach the log as they happen (PYTHONUNBUFFERED) and whole: no progress bars (transformers' `Loading
-    weights` bar writes a line without its newline, and the agent's tee then glued the next line onto it, so
-    a log reader missed `step 6/6` behind `[node 1 local rank 0] Loading weights: 0%|...`); every attempt gets its own rendezvous store; GPU
-    indices are nvidia-smi's (PCI bus order). CPU ranks get one intra-op thread each unless OMP_NUM_THREADS
+    weights` bar writes a line without its newline, and the agent's tee glued the next line onto it, so a log
+    reader missed `step 6/6` behind `[node 1 local rank 0] Loading weights: 0%|...`). Every attempt gets its
+    own rendezvous store; GPU indices are nvidia-smi's (PCI bus order). CPU ranks get one intra-op thread each unless OMP_NUM_THREADS
     is set: CPU layouts are the tiny demo and the tests, whose matmuls take microseconds, so more threads only
     add synchronisation (a τ evaluation of the tiny drafter on a busy 2-core machine: 1.5 s with one thread,
     55 s with two). Each rank picks its own GPU (trainer.distributed.select_device).
