@@ -57,13 +57,13 @@ MODULES: dict[str, dict] = {
         "files": ["orchestrator/agent/tailer.py"],
         "functions": ["orchestrator.agent.tailer.x_tail_offset__*", "orchestrator.agent.tailer.x__last_newline_end__*",
                       "orchestrator.agent.tailer.xǁLineCursorǁ*"],
-        "tests": ["tests/orchestrator/test_tailer_unit.py", "tests/orchestrator/test_tail.py",
+        "tests": ["tests/orchestrator/agent/test_tailer_unit.py", "tests/orchestrator/agent/test_tail.py",
                   "-k", "not agent_process and not session_gone and not live_writer and not dir_watcher"],
     },
     "follow (client offsets)": {
         "files": ["orchestrator/ops/logs.py"],
         "functions": ["orchestrator.ops.logs.xǁ_Followerǁ_data__*"],
-        "tests": ["tests/orchestrator/test_logs.py", "-k", "overlapping_chunk or feeds_the_real_matcher"],
+        "tests": ["tests/orchestrator/ops/test_logs.py", "-k", "overlapping_chunk or feeds_the_real_matcher"],
     },
     "signatures (matcher)": {  # grouping a traceback into one event: chained exceptions, rank prefixes, winner
         "files": ["orchestrator/signatures.py"],
@@ -86,14 +86,14 @@ MODULES: dict[str, dict] = {
     "launch lock": {
         "files": ["orchestrator/agent/runs.py"],
         "functions": ["orchestrator.agent.runs.xǁLaunchLockǁ*"],
-        "tests": ["tests/orchestrator/test_claims_unit.py"],
+        "tests": ["tests/orchestrator/agent/test_claims_unit.py"],
     },
     "gpu claims": {
         "files": ["orchestrator/agent/claims.py"],
         "functions": ["orchestrator.agent.claims.x__conflicts__*", "orchestrator.agent.claims.x_claim__*",
                       "orchestrator.agent.claims.x_claim_alive__*", "orchestrator.agent.claims.x_held__*",
                       "orchestrator.agent.claims.x_promote__*", "orchestrator.agent.claims.x_release__*"],
-        "tests": ["tests/orchestrator/test_claims_unit.py"],
+        "tests": ["tests/orchestrator/agent/test_claims_unit.py"],
     },
     "objective (loss)": {
         "files": ["trainer/objective.py", "trainer/config.py"],

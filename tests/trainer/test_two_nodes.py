@@ -2,7 +2,7 @@
 launcher, c10d rendezvous on node 0) on this machine, node 0 with the target rank and node 1 with two drafter
 ranks, each node with its own run directory as two containers would have. Losses equal the single-process
 reference at the same global batches; a node killed mid-run ends the other one, whose root cause names the
-lost node and rank. (tests/orchestrator/test_nodes.py runs the same through dflashctl on two containers.)"""
+lost node and rank. (tests/orchestrator/ops/test_nodes.py runs the same through dflashctl on two containers.)"""
 
 from __future__ import annotations
 

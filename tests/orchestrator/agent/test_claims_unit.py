@@ -1,6 +1,6 @@
 """GPU claims and the per-experiment launch lock as units (orchestrator.agent.claims, runs.LaunchLock): real
 files, real flock, real processes for liveness; no launch. Fast, so the mutation run (tests/mutation/run.py)
-can use them; the races through real launches are in test_claims.py."""
+can use them; the races through real launches are in ops/test_launch_claims.py."""
 
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ def test_the_check_command_in_a_container_reads_a_fingerprint(fake_pve, tmp_path
     ct = fake_pve.create_container(341, gpus=1)
     # The package travels into the workdir: a checkout under /tmp is not visible in a container (its own /tmp).
     repo = str(Path(ct.workdir) / "src")
-    shutil.copytree(Path(__file__).resolve().parents[2] / "orchestrator", Path(repo) / "orchestrator",
+    shutil.copytree(Path(__file__).resolve().parents[3] / "orchestrator", Path(repo) / "orchestrator",
                     ignore=shutil.ignore_patterns("__pycache__"))
     code = "import sys; sys.path.insert(0, sys.argv[1]); from orchestrator.agent.driver import main; sys.exit(main(sys.argv[2:]))"
     fp = Path(ct.workdir) / "fp.json"

@@ -15,7 +15,7 @@ import pytest
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import REQUESTS, LaunchRequest, StopRequest, TailRequest, WarmupRequest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def agent(verb: str, request: dict) -> tuple[int, dict]:

@@ -308,7 +308,7 @@ def test_baseline_is_the_last_good_run_of_the_experiment(tmp_path):
 
 
 def test_agent_process_reports_run_not_found(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     proc = subprocess.run([sys.executable, "-m", "orchestrator.agent", "tail"],
                           input=json.dumps({"workdir": str(tmp_path), "run_id": "missing"}),
                           capture_output=True, text=True, env=env, timeout=30)

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 COMMANDS = sorted((REPO / "orchestrator" / "commands").glob("*.py"))
 INVENTORY = """\
 targets:

@@ -13,7 +13,7 @@ from orchestrator import assets
 from orchestrator.errors import UserError
 from orchestrator.ops.diagnose import diagnose
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "signatures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "signatures"
 CATALOGUE = assets.on_disk("signatures.yaml")
 
 

@@ -258,7 +258,7 @@ def test_doctor_cli_json_against_the_fake_host(pve, tmp_path):
 
     ct = pve.create_container(314, gpus=3)
     inventory(tmp_path, pve.host_entry(), ctid=314, workdir=ct.workdir)
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONPATH=str(repo))
     code = "import sys; from orchestrator.cli import main; sys.exit(main(sys.argv[1:]))"
     res = subprocess.run([sys.executable, "-c", code, "-i", str(tmp_path / "inv.yaml"), "doctor", "-t", "ct", "--json"],

@@ -179,7 +179,7 @@ def test_two_concurrent_launches_make_exactly_one_run(tmp_path, local_target, sm
     """Both launches really contend: the first is held inside its preflight (its one nvidia-smi call waits)
     while the second starts, so the second must meet the first's lock (LockHeld), not a session that exists
     by then. Once the first has launched, a third meets its session (SessionExists)."""
-    from test_claims import Launcher
+    from test_launch_claims import Launcher
 
     t = local_target
     nvidia_smi.hold(smi)
@@ -456,7 +456,7 @@ def test_container_launch_is_one_pct_exec_and_hostile_tags_make_none(pve):
 
 
 def test_container_concurrent_launches_one_wins_and_replace_waits_for_gpus(fake_pve):
-    from test_claims import Launcher
+    from test_launch_claims import Launcher
 
     ct = make_ct(fake_pve, 305)
     try:

@@ -30,7 +30,7 @@ from orchestrator.target import LocalTarget
 from orchestrator.transport.local import LocalTransport
 from orchestrator.quoting import render
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 START = assets.on_disk("start_training.sh")
 FAST = Backoff(initial=0.05, factor=2.0, cap=0.5, jitter=0.2, give_up_s=20)
 

@@ -64,7 +64,7 @@ def test_hang_alert_states_hang_seconds_in_both_follows(tmp_path, dflashctl):
     import shutil
 
     exe = shutil.which("dflashctl")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), COLUMNS="200")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), COLUMNS="200")
     launched = subprocess.Popen([exe, "--inventory", str(inv), "launch", "silent", "--follow"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
