@@ -149,35 +149,3 @@ def test_pct_stop_kills_the_session_and_status_says_so(fake_pve):
         assert up.run(res.run_id)["state"] == "crashed" and up.run(res.run_id)["exit_code"] is None
     finally:
         fake_pve.remove_container(311)
-
-
-@pytest.mark.parametrize("cli_only", [False, True])
-def test_sessions_are_read_with_or_without_libtmux(monkeypatch, cli_only):
-    from orchestrator.agent import tmuxctl
-
-    if cli_only:  # a bare python3 in a fresh container: the tmux CLI directly
-        monkeypatch.setattr(tmuxctl, "_server", lambda: tmuxctl._CliServer())
-    assert tmuxctl.list_sessions() == []  # no server yet: no sessions, not an error
-    s = tmuxctl.new_session("dflash-ro", "sleep 0.2; exit 3", "/", "ro-1")
-    assert (s["name"], s["run_id"]) == ("dflash-ro", "ro-1")
-    dead = wait_for(lambda: (x := tmuxctl.find_session("dflash-ro")) and x["dead"] and x)
-    # remain-on-exit kept the pane. tmux 3.3 reports its status a moment after marking it dead, and under
-    # load after respawn-pane sometimes not at all: run states never depend on it (exit.json is the truth).
-    time.sleep(0.3)
-    assert tmuxctl.find_session("dflash-ro")["dead_status"] in (3, None)
-    assert dead["run_id"] == "ro-1"
-    # A command that ends at once must not take its session with it (remain-on-exit is set before it runs).
-    tmuxctl.new_session("dflash-fast", "exit 0", "/", "fast-1")
-    time.sleep(0.3)
-    assert tmuxctl.find_session("dflash-fast")["dead"]
-    assert tmuxctl.kill_session("dflash-ro") and tmuxctl.find_session("dflash-ro") is None
-
-
-def test_parse_panes_skips_garbage_and_keeps_first_pane():
-    from orchestrator.agent.tmuxctl import parse_panes
-
-    lines = ["dflash-a\t10\t0\t\t1700000000\tr-1", "dflash-a\t11\t1\t2\t1700000000\tr-1", "garbage", "x\t\t1\t-1\t\t"]
-    assert parse_panes(lines) == [
-        {"name": "dflash-a", "pane_pid": 10, "dead": False, "dead_status": None, "created": 1700000000, "run_id": "r-1"},
-        {"name": "x", "pane_pid": None, "dead": True, "dead_status": -1, "created": None, "run_id": None},
-    ]

@@ -1,0 +1,103 @@
+"""orchestrator.agent.tmuxctl: the tmux sessions runs live in, on a real tmux server (a private one per test:
+TMUX_TMPDIR in tmp_path, conftest's isolated_tmux), through libtmux and through the bare tmux CLI (what the
+agent has under a stock python3 before any venv exists)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from orchestrator.agent import tmuxctl
+from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.tmuxctl import parse_panes
+from orchestrator.quoting import render
+
+pytestmark = pytest.mark.usefixtures("isolated_tmux")
+
+
+@pytest.fixture(params=["libtmux", "cli"])
+def backend(request, monkeypatch):
+    """Every test runs against both ways tmuxctl reaches tmux."""
+    monkeypatch.delenv("TMUX", raising=False)  # run from inside tmux: never talk to the developer's server
+    if request.param == "cli":
+        monkeypatch.setattr(tmuxctl, "_server", lambda: tmuxctl._CliServer())
+    return request.param
+
+
+def wait_for(pred, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def dead(name: str):
+    return lambda: (s := tmuxctl.find_session(name)) is not None and s["dead"] and s
+
+
+def test_no_server_yet_is_no_sessions_not_an_error(backend):
+    assert tmuxctl.list_sessions() == []
+    assert tmuxctl.find_session("dflash-x") is None
+    assert tmuxctl.kill_session("dflash-x") is False
+
+
+def test_a_session_carries_its_run_id_and_outlives_a_command_that_ends_at_once(backend, tmp_path):
+    s = tmuxctl.new_session("dflash-fast", "exit 0", str(tmp_path), "fast-1")
+    assert (s["name"], s["run_id"]) == ("dflash-fast", "fast-1")
+    # remain-on-exit is set before the command runs: the session stays, its pane dead, its run id readable.
+    ended = wait_for(dead("dflash-fast"))
+    assert ended["run_id"] == "fast-1" and ended["pane_pid"] is not None
+
+
+def test_the_command_line_runs_as_given_in_the_run_directory(backend, tmp_path):
+    text = "[rank0]: it's \"quoted\" $(id) `id` [bold]x[/]\n\tend"
+    line = render(["sh", "-c", 'printf %s "$1" > out.txt', "sh", text])
+    tmuxctl.new_session("dflash-text", line, str(tmp_path), "text-1")
+    wait_for(dead("dflash-text"))
+    assert (tmp_path / "out.txt").read_text() == text  # relative path: the session's cwd is the one given
+
+
+def test_names_are_exact_never_a_prefix(backend, tmp_path):
+    tmuxctl.new_session("dflash-ab", "sleep 300", str(tmp_path), "ab-1")
+    assert tmuxctl.find_session("dflash-a") is None
+    assert tmuxctl.kill_session("dflash-a") is False  # tmux alone would take dflash-ab as its prefix match
+    assert tmuxctl.find_session("dflash-ab")["run_id"] == "ab-1"
+    tmuxctl.new_session("dflash-a", "sleep 300", str(tmp_path), "a-1")
+    assert tmuxctl.kill_session("dflash-a") is True
+    assert [s["name"] for s in tmuxctl.list_sessions()] == ["dflash-ab"]
+
+
+def test_a_second_session_of_the_same_name_is_refused_and_the_first_keeps_its_run(backend, tmp_path):
+    tmuxctl.new_session("dflash-one", "sleep 300", str(tmp_path), "one-1")
+    with pytest.raises(AgentFailure) as info:
+        tmuxctl.new_session("dflash-one", "echo replaced > replaced", str(tmp_path), "one-2")
+    assert info.value.type == "TmuxFailed" and "dflash-one" in info.value.message
+    assert tmuxctl.find_session("dflash-one")["run_id"] == "one-1" and not (tmp_path / "replaced").exists()
+
+
+def test_no_tmux_in_the_target_names_the_package_to_install(backend, tmp_path, monkeypatch):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    with monkeypatch.context() as m, pytest.raises(AgentFailure) as info:  # PATH back before the server's teardown
+        m.setenv("PATH", str(empty))
+        tmuxctl.list_sessions()
+    assert info.value.type == "TmuxMissing" and info.value.fix == "apt-get install -y tmux"
+
+
+def test_a_bad_experiment_name_is_refused_as_the_agent_reports_it():
+    assert tmuxctl.session_name("exp.v2") == "dflash-exp_v2"  # tmux reads `.` as a window separator
+    with pytest.raises(AgentFailure) as info:
+        tmuxctl.session_name("../x")
+    assert info.value.type == "BadName"
+
+
+def test_parse_panes_skips_garbage_and_keeps_first_pane():
+    lines = ["dflash-a\t10\t0\t\t1700000000\tr-1", "dflash-a\t11\t1\t2\t1700000000\tr-1", "garbage", "x\t\t1\t-1\t\t"]
+    assert parse_panes(lines) == [
+        {"name": "dflash-a", "pane_pid": 10, "dead": False, "dead_status": None, "created": 1700000000, "run_id": "r-1"},
+        {"name": "x", "pane_pid": None, "dead": True, "dead_status": -1, "created": None, "run_id": None},
+    ]
