@@ -75,7 +75,8 @@ def status_text(status: str):
 
 
 class EventPrinter:
-    """Renders agent progress events as one line each on stderr (so stdout stays clean for --json).
+    """Renders agent events (orchestrator.agent.events) as one line each on stderr (so stdout stays clean for
+    --json): a progress event as `step message`, any other kind as its name and its fields as JSON.
 
     Use as the `on_event` callback of `target.agent(...)`.
     """
@@ -85,16 +86,13 @@ class EventPrinter:
         self._console = console(stderr=True)
         self._console.soft_wrap = True  # a path or command in a message stays one line (copy-pastable)
 
-    def __call__(self, event: dict) -> None:
+    def __call__(self, event) -> None:
+        from orchestrator.agent.events import Progress
+
         if self.quiet:
             return
-        kind = event.get("event")
-        if kind == "progress":
-            step = str(event.get("step", ""))
-            msg = str(event.get("message", ""))
-            self._console.print(text((step, "cyan"), f" {msg}".rstrip()))
-        elif kind == "log":
-            self._console.print(str(event.get("line", "")))
+        if isinstance(event, Progress):
+            self._console.print(text((event.step, "cyan"), f" {event.message}".rstrip()))
         else:
-            extra = {k: v for k, v in event.items() if k != "event"}
-            self._console.print(text((str(kind), "dim"), " " + json.dumps(extra, default=str)))
+            extra = {k: v for k, v in event.to_json().items() if k != "event"}
+            self._console.print(text((event.KIND, "dim"), " " + json.dumps(extra, default=str)))

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.errors import AgentError, RemoteCommandError
+from orchestrator.agent import events
 from orchestrator.transport.base import Result, Transport
 
-EventCallback = Callable[[dict], None]
+EventCallback = Callable[[events.Event], None]
 
 # Exit codes of the bootstrap below (chosen outside the agent's own 0/1/2).
 BUNDLE_MISSING = 75
@@ -53,13 +54,15 @@ CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/
 
 
 class _EventStream:
-    """Splits agent stdout into lines, parses each as one JSON event, forwards it, keeps the last one."""
+    """Splits agent stdout into lines, parses each as one typed event (orchestrator.agent.events), forwards it,
+    keeps the last one (Result or Error) and the first line that was not an event it can read."""
 
     def __init__(self, on_event: EventCallback | None):
         self.on_event = on_event
         self.buf = b""
         self.events_seen = 0
-        self.final: dict | None = None
+        self.final: events.Result | events.Error | None = None
+        self.bad: events.BadEvent | None = None
         self.garbage: list[str] = []
 
     def feed(self, chunk: bytes) -> None:
@@ -78,12 +81,19 @@ class _EventStream:
         if not text:
             return
         try:
-            ev = json.loads(text)
+            data = json.loads(text)
         except ValueError:
+            data = None
+        if not isinstance(data, dict):
             self.garbage.append(text)  # a library printed to stdout; keep it for the error message
             return
         self.events_seen += 1
-        if ev.get("event") in ("result", "error"):
+        try:
+            ev = events.parse(data)
+        except events.BadEvent as exc:
+            self.bad = self.bad or exc  # the agent and this workstation disagree: the call fails, naming it
+            return
+        if isinstance(ev, (events.Result, events.Error)):
             self.final = ev
         elif self.on_event is not None:
             self.on_event(ev)
@@ -123,14 +133,14 @@ class BaseTarget:
 
     def _interpret(self, verb: str, res: Result, stream: _EventStream) -> dict:
         final = stream.final
-        if final is not None and final.get("event") == "result":
-            return final.get("data") or {}
-        if final is not None:
-            raise AgentError(
-                final.get("message") or f"agent {verb} failed",
-                agent_type=final.get("type") or "AgentError",
-                fix=final.get("fix"),
-            ).with_data(final.get("data") or {})
+        if stream.bad is not None:
+            raise AgentError(f"agent {verb} on {self.name} sent an event this workstation cannot read: {stream.bad}",
+                             agent_type="BadEvent", result=res)
+        if isinstance(final, events.Result):
+            return final.data
+        if isinstance(final, events.Error):
+            raise AgentError(final.message or f"agent {verb} failed", agent_type=final.type or "AgentError",
+                             fix=final.fix).with_data(final.data)
         detail = res.stderr.decode("utf-8", errors="replace").strip().splitlines()[-5:]
         raise AgentError(
             f"agent {verb} on {self.name} ended (exit {res.exit_code}) without a result"

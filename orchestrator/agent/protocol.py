@@ -7,6 +7,8 @@ import sys
 import threading
 from typing import IO, Any
 
+from orchestrator.agent.events import Error, Event, Progress, Result
+
 
 class AgentFailure(Exception):
     """Raise in a verb to end it with an error event.
@@ -39,23 +41,26 @@ def need(request: dict, key: str, kind: type, verb: str):
 
 
 class Emitter:
-    """Writes one JSON event per line, flushed per line, safe to call from several threads."""
+    """Writes one JSON event per line (orchestrator.agent.events), flushed per line, safe to call from several
+    threads."""
 
     def __init__(self, stream: IO[str] | None = None):
         self._stream = stream if stream is not None else sys.stdout
         self._lock = threading.Lock()
 
-    def event(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"event": kind, **fields}, separators=(",", ":"), default=str)
+    def send(self, event: Event) -> None:
+        """Write one event."""
+        line = json.dumps(event.to_json(), separators=(",", ":"), default=str)
         with self._lock:
             self._stream.write(line + "\n")
             self._stream.flush()
 
     def progress(self, step: str, message: str = "", **fields: Any) -> None:
-        self.event("progress", step=step, message=message, **fields)
+        """A Progress event; `fields` are its optional fields (a name it lacks is a TypeError)."""
+        self.send(Progress(step=step, message=message, **fields))
 
     def result(self, data: dict) -> None:
-        self.event("result", data=data)
+        self.send(Result(data=data))
 
     def error(self, type: str, message: str, fix: str | None = None, data: dict | None = None) -> None:
-        self.event("error", type=type, message=message, fix=fix, data=data or {})
+        self.send(Error(type=type, message=message, fix=fix, data=data or {}))

@@ -10,13 +10,11 @@ target's, added by Target.agent). `echo` has no schema: it returns whatever it i
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from orchestrator.agent.protocol import AgentFailure
-
-_ATOMS = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict, "list": list, "Any": object}
+from orchestrator.agent.schema import schema_problem
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,65 +41,12 @@ class Request:
         """
         if not isinstance(data, dict):
             raise AgentFailure("BadRequest", f"{cls.VERB} request: must be a JSON object, got {type(data).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            raise AgentFailure("BadRequest", f"{cls.VERB} request: unknown field {unknown[0]!r} "
-                               f"(known: {', '.join(sorted(fields))})",
-                               fix="the workstation and the container's bundle differ: dflashctl rebuild-venv")
-        hints = typing.get_type_hints(cls)
-        for name, f in fields.items():
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            if name not in data:
-                if required:
-                    raise AgentFailure("BadRequest", f"{cls.VERB} request: missing field {name!r}")
-                continue
-            if not _fits(data[name], hints[name]):
-                raise AgentFailure("BadRequest", f"{cls.VERB} request: field {name!r} must be "
-                                   f"{_describe(hints[name])}, got {_json(data[name])}")
+        problem = schema_problem(cls, data)
+        if problem is not None:
+            raise AgentFailure("BadRequest", f"{cls.VERB} request: {problem.message}",
+                               fix="the workstation and the container's bundle differ: dflashctl rebuild-venv"
+                               if problem.unknown else None)
         return cls(**data)
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value fits a field's annotation (str, int, float, bool, dict, list, their | None)."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return any(_fits(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    origin = typing.get_origin(hint) or hint
-    if origin is list:
-        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
-    if origin is dict:
-        return isinstance(value, dict)
-    if origin is Any:
-        return True
-    if isinstance(value, bool) and origin in (int, float):
-        return False  # JSON true is not a number
-    if origin is float:
-        return isinstance(value, (int, float))
-    return isinstance(value, origin)
-
-
-def _json(value: Any) -> str:
-    """A value as the JSON it arrived as (`true`, `"soon"`), shortened."""
-    import json
-
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _describe(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return " or ".join(_describe(a) for a in args)
-    if hint is type(None):
-        return "null"
-    origin = typing.get_origin(hint) or hint
-    if origin is list and args:
-        return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(args[0], _describe(args[0]))
-    return {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
-            list: "a list"}.get(origin, getattr(origin, "__name__", str(origin)))
 
 
 @dataclass(frozen=True, kw_only=True)

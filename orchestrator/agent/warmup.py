@@ -119,13 +119,13 @@ def run_warmups(
                 if kind == "warmup_shape":
                     emit.progress("warmup", f"{label}: shape {ev.get('shape')} compiled in {ev.get('compile_s')} s "
                                   f"(fx cache hit {ev.get('fxgraph_cache_hit')}, miss {ev.get('fxgraph_cache_miss')})",
-                                  gpu=gpu, **ev)
+                                  gpu=gpu, warmup=ev)
                 elif kind == "warmup_done":
                     wall = round(time.monotonic() - t0, 2)
                     done.append({"gpu": gpu, "wall_s": wall, **ev})
                     emit.progress("warmup", f"{label}: warm in {wall:.1f} s, compile {ev.get('compile_s')} s, "
                                   f"cache hits {ev.get('cache_hits')} / misses {ev.get('cache_misses')}",
-                                  gpu=gpu, wall_s=wall, **ev)
+                                  gpu=gpu, wall_s=wall, warmup=ev)
             rc = proc.wait()
         if rc != 0:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]

@@ -9,13 +9,16 @@ from __future__ import annotations
 import datetime as _dt
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator import names
 from orchestrator.agent.driver import PROBLEM_TYPES as DRIVER_PROBLEMS
 from orchestrator.errors import AgentError, PreflightError, UserError
 from orchestrator.inventory import check_name, check_run_ref
 from orchestrator.ops.stop import requested_by
+
+if TYPE_CHECKING:
+    from orchestrator.agent.events import Event
 
 # Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
 REFUSALS = {"GpuBusy", "GpuClaimed", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch",
@@ -189,7 +192,7 @@ def launch(
     dry_run: bool = False,
     grace_s: float = DEFAULT_GRACE_S,
     release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S,
-    on_event: Callable[[dict], None] | None = None,
+    on_event: Callable[[Event], None] | None = None,
     cli: str | None = None,
     record: bool = True,
     now: _dt.datetime | None = None,

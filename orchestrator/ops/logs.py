@@ -10,7 +10,6 @@ its lines are neither shown nor counted, and the next exec sends them again, onc
 
 from __future__ import annotations
 
-import base64
 import random
 import threading
 import time
@@ -18,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.agent.events import Data, Event, Heartbeat, Metrics, RunInfo, Truncated
 from orchestrator.errors import AgentError, ConnectError, RemoteCommandError, RunNotFound, UserError
 
 # Outcome -> process exit code (README, `dflashctl logs --help`).
@@ -170,7 +170,7 @@ class _Follower:
 
     # ---- events
 
-    def handle(self, ev: dict) -> None:
+    def handle(self, ev: Event) -> None:
         self.last_event = time.monotonic()
         self.progress = True
         if self.failure is not None:
@@ -180,34 +180,36 @@ class _Follower:
         except Exception as exc:  # noqa: BLE001 - surfaced in the main thread by follow()
             self.failure = exc
 
-    def _handle(self, ev: dict) -> None:
-        kind = ev.get("event")
+    def _handle(self, ev: Event) -> None:
         if self.on_event is not None:
             self.on_event(ev)
-        if kind == "run":
-            self.run_id = ev.get("run_id") or self.run_id
-            self.experiment = ev.get("experiment") or self.experiment
-            if ev.get("baseline") is not None:
-                self.baseline = ev["baseline"]
-                if self.health is not None:
-                    self.health.set_baseline(self.baseline)
-            if self.log_offset is None:
-                self.log_offset = int(ev.get("offset") or 0)
-            if self.matcher is not None and hasattr(self.matcher, "mark"):
-                self.matcher.mark = ev.get("log_mark")  # dflashctl's own lines are never matched
-        elif kind == "data":
+        if isinstance(ev, RunInfo):
+            self._run(ev)
+        elif isinstance(ev, Data):
             self._data(ev)
-        elif kind == "metrics":
+        elif isinstance(ev, Metrics):
             self._metrics(ev)
-        elif kind == "heartbeat":
+        elif isinstance(ev, Heartbeat):
             if self.health is not None:
                 self._alerts(self.health.heartbeat(ev))
-        elif kind == "truncated":
+        elif isinstance(ev, Truncated):
             self.log_offset = 0
 
-    def _data(self, ev: dict) -> None:
-        start, end = int(ev["offset"]), int(ev["next"])
-        raw = base64.b64decode(ev["b64"]) if "b64" in ev else ev.get("text", "").encode("utf-8")
+    def _run(self, ev: RunInfo) -> None:
+        self.run_id = ev.run_id or self.run_id
+        self.experiment = ev.experiment or self.experiment
+        if ev.baseline is not None:
+            self.baseline = ev.baseline
+            if self.health is not None:
+                self.health.set_baseline(self.baseline)
+        if self.log_offset is None:
+            self.log_offset = ev.offset
+        if self.matcher is not None and hasattr(self.matcher, "mark"):
+            self.matcher.mark = ev.log_mark  # dflashctl's own lines are never matched
+
+    def _data(self, ev: Data) -> None:
+        start, end = ev.offset, ev.next
+        raw = ev.raw()
         expected = self.log_offset if self.log_offset is not None else start
         if end <= expected:
             return  # already shown (cannot happen with a well-behaved agent; costs nothing to guard)
@@ -234,8 +236,8 @@ class _Follower:
         if self.health is not None:
             self._alerts(self.health.log_activity(end))
 
-    def _metrics(self, ev: dict) -> None:
-        start, end = int(ev["offset"]), int(ev["next"])
+    def _metrics(self, ev: Metrics) -> None:
+        start, end = ev.offset, ev.next
         if end <= self.metrics_offset:
             return
         if start != self.metrics_offset:
@@ -243,7 +245,7 @@ class _Follower:
             if start < self.metrics_offset:
                 return
         if self.health is not None:
-            self._alerts(self.health.metrics(ev.get("records") or []))
+            self._alerts(self.health.metrics(ev.records))
         self.metrics_offset = end
 
     def _alerts(self, alerts) -> None:
@@ -285,7 +287,7 @@ def follow(
     follow: bool = True,
     on_line: Callable[[str], None] | None = None, on_match: Callable[[Any], None] | None = None,
     on_alert: Callable[[Any], None] | None = None, on_status: Callable[[str], None] | None = None,
-    on_event: Callable[[dict], None] | None = None,
+    on_event: Callable[[Event], None] | None = None,
     matcher=None, health=None, backoff: Backoff | None = None,
     heartbeat: float = 2.0, heartbeat_timeout: float | None = None, baseline: bool = True,
     sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None,
@@ -483,9 +485,8 @@ class LogHealth:
     def log_activity(self, offset: int) -> list:
         return []  # the heartbeat carries the sizes the hang check needs
 
-    def heartbeat(self, ev: dict) -> list:
-        return self.hang.feed(self.clock(), int(ev.get("log_size") or 0), int(ev.get("metrics_size") or 0),
-                              ev.get("session_alive") is True)
+    def heartbeat(self, ev: Heartbeat) -> list:
+        return self.hang.feed(self.clock(), ev.log_size, ev.metrics_size or 0, ev.session_alive is True)
 
     def finished(self, outcome: FollowOutcome) -> list:
         return []
@@ -574,9 +575,9 @@ def logs(inv, ref: str | None = None, *, target: str | None = None, following: b
         if on_alert is not None:
             on_alert(a)
 
-    def event(ev: dict) -> None:
-        if ev.get("event") == "run":
-            seen.update(run_id=ev.get("run_id"), experiment=ev.get("experiment"))
+    def event(ev: Event) -> None:
+        if isinstance(ev, RunInfo):
+            seen.update(run_id=ev.run_id, experiment=ev.experiment)
         if on_event is not None:
             on_event(ev)
 

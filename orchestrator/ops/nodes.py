@@ -19,8 +19,12 @@ import datetime as _dt
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from orchestrator.errors import DflashError, PreflightError, UserError
+
+if TYPE_CHECKING:
+    from orchestrator.agent.events import Event
 
 FINGERPRINT_KEYS = ("lock_hash", "python", "packages")
 """What must be equal across the nodes' venvs (paths and build times may differ)."""
@@ -126,7 +130,7 @@ def fingerprint_differences(fingerprints: list[dict], targets: list[str]) -> lis
 
 def launch_nodes(targets: list, specs: list, *, dry_run: bool = False, cli: str | None = None,
                  resume: str | None = None, warmup_device: str = "cuda", record: bool = True,
-                 now: _dt.datetime | None = None, on_event: Callable[[dict], None] | None = None,
+                 now: _dt.datetime | None = None, on_event: Callable[[Event], None] | None = None,
                  timeout: float | None = 3600) -> NodesResult:
     """Launch one run across `targets` (one per node, node 0 first), as the module docstring says.
 
@@ -140,9 +144,8 @@ def launch_nodes(targets: list, specs: list, *, dry_run: bool = False, cli: str 
     run_id = make_run_id(specs[0].experiment, specs[0].tag, now)
 
     def one(i: int, dry: bool):
-        ev = (lambda e: on_event({**e, "node": i, "target": specs[i].target})) if on_event else None
         return launch(targets[i], specs[i], dry_run=dry, cli=cli, record=False, now=now, resume=resume,
-                      warmup_device=warmup_device, on_event=ev, timeout=timeout)
+                      warmup_device=warmup_device, on_event=on_event, timeout=timeout)
 
     plans = _each(lambda i: one(i, True), len(specs))
     _refusal(specs, plans)
@@ -217,7 +220,7 @@ def run_cause(exits: list[dict | None]) -> dict | None:
 
 
 def stop_nodes(targets: list, run_id: str, record: dict, *, grace_s: float = 20.0,
-               on_event: Callable[[dict], None] | None = None) -> list:
+               on_event: Callable[[Event], None] | None = None) -> list:
     """Stop run `run_id` on every node of its record, in parallel (a node already ended is reported as such);
     a node that vanished without exit.json (its container was stopped) then gets exit.json failed with the
     run's root cause (run_cause of the other nodes).
@@ -262,7 +265,7 @@ def launch_experiment(inv, spec, **kw) -> NodesResult:
             t.close()
 
 
-def stop_run(inv, record: dict, *, grace_s: float = 20.0, on_event: Callable[[dict], None] | None = None) -> list:
+def stop_run(inv, record: dict, *, grace_s: float = 20.0, on_event: Callable[[Event], None] | None = None) -> list:
     """`stop` of a run across targets (its record lists nodes): stop_nodes over every node's target."""
     from orchestrator.target import open_target
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from orchestrator.agent.requests import StopRequest
 from orchestrator.errors import AgentError, RunNotFound
+
+if TYPE_CHECKING:
+    from orchestrator.agent.events import Event
 
 DEFAULT_GRACE_S = 20.0
 
@@ -47,7 +51,7 @@ def stop(
     grace_s: float = DEFAULT_GRACE_S,
     gpus: list[int] | None = None,
     gpu_idle_mib: int = 1024,
-    on_event: Callable[[dict], None] | None = None,
+    on_event: Callable[[Event], None] | None = None,
     lost_cause: dict | None = None,
 ) -> StopResult:
     """Stop run `run_id` on `target`; with `gpus`, also wait until they are idle again. `lost_cause`: a node
@@ -85,7 +89,7 @@ def stop(
 
 
 def stop_run(inv, ref: str, *, target: str | None = None, grace_s: float = DEFAULT_GRACE_S,
-             on_event: Callable[[dict], None] | None = None) -> StopResult:
+             on_event: Callable[[Event], None] | None = None) -> StopResult:
     """`dflashctl stop`: the run `ref` (a recorded run id, or one the target knows) on `target`, else on the
     target its record names, else the inventory's default; its recorded GPUs are waited for. A run across
     targets (its record lists nodes): every node, a list of results (orchestrator.ops.nodes.stop_run)."""

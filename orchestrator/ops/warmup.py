@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from orchestrator.errors import UserError
+
+if TYPE_CHECKING:
+    from orchestrator.agent.events import Event
 
 REFUSALS = {"GpuBusy", "GpuClaimed", "LockHeld"}
 
@@ -35,7 +39,7 @@ def warmup(
     target,
     spec,
     *,
-    on_event: Callable[[dict], None] | None = None,
+    on_event: Callable[[Event], None] | None = None,
     device: str = "cuda",
     timeout: float | None = 3600,
 ) -> WarmupResult:
@@ -71,7 +75,7 @@ def warmup(
 
 
 def warmup_experiment(inv, experiment: str, *, target: str | None = None,
-                      on_event: Callable[[dict], None] | None = None, early=None) -> WarmupResult:
+                      on_event: Callable[[Event], None] | None = None, early=None) -> WarmupResult:
     """`dflashctl warmup`: resolve `experiment` (names checked before anything runs), open its target (or
     `target`; `early`: an orchestrator.preconnect.EarlyConnection), warm up, close."""
     from orchestrator.ops.launch import spec_from_inventory

@@ -153,18 +153,19 @@ def test_trust_unknown_host_is_suggested(tmp_path):
 
 
 def test_event_printer_writes_progress_to_stderr_only(capsys):
+    from orchestrator.agent.events import Heartbeat, Progress
     from orchestrator.render import EventPrinter
 
     printer = EventPrinter()
-    printer({"event": "progress", "step": "warmup", "message": "GPU 5 compiled in 12.0 s"})
-    printer({"event": "log", "line": "[bold]not markup[/]"})
-    printer({"event": "custom", "x": 1})
-    EventPrinter(quiet=True)({"event": "progress", "step": "hidden", "message": "no"})
+    printer(Progress(step="warmup", message="GPU 5 compiled in 12.0 s"))
+    printer(Progress(step="stop", message="[bold]not markup[/]"))
+    printer(Heartbeat(session_alive=True, log_size=1))
+    EventPrinter(quiet=True)(Progress(step="hidden", message="no"))
     out, err = capsys.readouterr()
     assert out == ""
     assert "warmup GPU 5 compiled in 12.0 s" in err
-    assert "[bold]not markup[/]" in err  # log lines are data, never rich markup
-    assert 'custom {"x": 1}' in err
+    assert "stop [bold]not markup[/]" in err  # messages are data, never rich markup
+    assert 'heartbeat {"session_alive": true, "log_size": 1}' in err
     assert "hidden" not in err
 
 

@@ -34,13 +34,15 @@ def test_table_title_headers_and_cells_are_literal(capsys):
 
 
 def test_event_printer_prints_every_event_kind_literally(capsys):
+    from orchestrator.agent.events import Progress, Truncated
     from orchestrator.render import EventPrinter
 
     printer = EventPrinter()
-    printer({"event": "progress", "step": RANK, "message": LINE})
-    printer({"event": "log", "line": LINE})
-    printer({"event": HOSTPORT, "x": FILENAMES})
-    assert capsys.readouterr().err == f"{RANK} {LINE}\n{LINE}\n{HOSTPORT} {json.dumps({'x': FILENAMES})}\n"
+    printer(Progress(step=RANK, message=LINE))
+    printer(Progress(step=HOSTPORT, message=BOLD))
+    printer(Truncated(file=FILENAMES))
+    assert capsys.readouterr().err == (f"{RANK} {LINE}\n{HOSTPORT} {BOLD}\n"
+                                       f"truncated {json.dumps({'file': FILENAMES})}\n")
 
 
 def test_errors_and_their_fixes_are_literal(capsys):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import time
 
+from orchestrator.agent.events import Data, Heartbeat, Metrics, RunInfo, Truncated
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import TailRequest
 from orchestrator.ownlines import RUN_JSON_KEY, valid_mark
@@ -41,15 +42,15 @@ _INOTIFY_MAX_WAIT = 0.5
 
 def _data_event(emit, start: int, chunk: bytes) -> None:
     try:
-        emit.event("data", offset=start, next=start + len(chunk), text=chunk.decode("utf-8"))
+        emit.send(Data(offset=start, next=start + len(chunk), text=chunk.decode("utf-8")))
     except UnicodeDecodeError:
         # Not UTF-8: send the bytes as they are, so offsets stay exact and nothing is "replaced".
-        emit.event("data", offset=start, next=start + len(chunk), b64=base64.b64encode(chunk).decode("ascii"))
+        emit.send(Data(offset=start, next=start + len(chunk), b64=base64.b64encode(chunk).decode("ascii")))
 
 
 def _metrics_event(emit, start: int, chunk: bytes) -> None:
     records, invalid = parse_records(chunk.splitlines())
-    emit.event("metrics", offset=start, next=start + len(chunk), records=records, invalid=invalid)
+    emit.send(Metrics(offset=start, next=start + len(chunk), records=records, invalid=invalid))
 
 
 def _not_negative(req: TailRequest) -> None:
@@ -71,8 +72,8 @@ def run(request: dict, emit) -> dict:
     want_metrics = follow if req.metrics is None else req.metrics
     metrics = LineCursor(ref.metrics, req.metrics_offset) if want_metrics else None
     baseline = last_good_baseline(workdir, ref) if req.baseline else None
-    emit.event("run", run_id=ref.run_id, experiment=ref.experiment, session=ref.session, offset=offset,
-               baseline=baseline, log_mark=valid_mark(ref.info.get(RUN_JSON_KEY)))
+    emit.send(RunInfo(run_id=ref.run_id, experiment=ref.experiment, session=ref.session, offset=offset,
+                      baseline=baseline, log_mark=valid_mark(ref.info.get(RUN_JSON_KEY))))
 
     watcher = DirWatcher(ref.path, fallback=poll) if follow else None
     truncations = 0
@@ -85,7 +86,7 @@ def run(request: dict, emit) -> dict:
             moved = True
         if log.truncations != truncations:
             truncations = log.truncations
-            emit.event("truncated", file="train.log")
+            emit.send(Truncated(file="train.log"))
         if metrics is not None:
             for start, chunk in metrics.read(final=final):
                 _metrics_event(emit, start, chunk)
@@ -130,8 +131,8 @@ def run(request: dict, emit) -> dict:
             else:
                 gone_once = False
             if follow:
-                emit.event("heartbeat", session_alive=alive, log_size=log.size(),
-                           metrics_size=metrics.size() if metrics else None)
+                emit.send(Heartbeat(session_alive=alive, log_size=log.size(),
+                                    metrics_size=metrics.size() if metrics else None))
         if not follow:
             return finish(state_of(None, alive), None, alive)
         wait = min(heartbeat - (time.monotonic() - last_check), _INOTIFY_MAX_WAIT)

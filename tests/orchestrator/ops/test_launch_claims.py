@@ -106,7 +106,7 @@ def test_overlapping_gpus_wait_for_the_preflight_then_are_refused_naming_gpu_and
     msg = info.value.message
     assert f"GPU 1 is held by run {a_id} (experiment exp-a), launching since" in msg and "GPU 2" not in msg
     assert "(waited 1 s for its preflight)" in msg and f"dflashctl stop {a_id}" in info.value.fix
-    assert [e["message"] for e in events if e.get("step") == "gpus"] == [
+    assert [e.message for e in events if e.step == "gpus"] == [
         f"GPU 1 is held by run {a_id} (experiment exp-a), launching since {claims_file(t.workdir)['1']['since']} "
         f"(pid {claims_file(t.workdir)['1']['pid']}); waiting up to 1 s for its preflight"]
     assert not (Path(t.workdir) / "runs").exists()  # b made nothing
@@ -135,7 +135,7 @@ def test_a_launch_whose_preflight_fails_releases_its_gpus_to_the_one_waiting(loc
     waiting = threading.Event()
 
     def on_event(ev: dict) -> None:
-        if ev.get("step") == "gpus" and "waiting up to" in ev.get("message", ""):
+        if ev.step == "gpus" and "waiting up to" in ev.message:
             waiting.set()
 
     b = Launcher(lambda: t, cmd_spec("exp-b", SLEEPER, gpus=[1]), claim_wait_s=60, on_event=on_event)

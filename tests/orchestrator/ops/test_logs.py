@@ -8,6 +8,7 @@ Proxmox host is severed (container target).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import pytest
 
 from orchestrator import assets
 from orchestrator.agent import tmuxctl
+from orchestrator.agent.events import Data, Heartbeat, RunInfo
 from orchestrator.errors import RunNotFound
 from orchestrator.ops.logs import Backoff, LogHealth, follow, resolve
 from orchestrator.target import LocalTarget
@@ -258,7 +260,7 @@ class _Cfg:
 def test_hang_needs_a_live_session_and_silent_files():
     now = [0.0]
     h = LogHealth(_Cfg(), clock=lambda: now[0])
-    beat = {"session_alive": True, "log_size": 10, "metrics_size": 5}
+    beat = Heartbeat(session_alive=True, log_size=10, metrics_size=5)
     assert h.heartbeat(beat) == []
     now[0] = 59
     assert h.heartbeat(beat) == []
@@ -268,14 +270,14 @@ def test_hang_needs_a_live_session_and_silent_files():
     now[0] = 200
     assert h.heartbeat(beat) == []  # once per silent stretch
     now[0] = 210
-    assert h.heartbeat({**beat, "log_size": 11}) == []  # activity re-arms
+    assert h.heartbeat(dataclasses.replace(beat, log_size=11)) == []  # activity re-arms
     now[0] = 300
-    assert [a.kind for a in h.heartbeat({**beat, "log_size": 11})] == ["hang"]
+    assert [a.kind for a in h.heartbeat(dataclasses.replace(beat, log_size=11))] == ["hang"]
     # an unknown or dead session is not a hang (a dead one is a crash, decided by the agent)
     h2 = LogHealth(_Cfg(), clock=lambda: now[0])
-    h2.heartbeat({"session_alive": None, "log_size": 1, "metrics_size": 1})
+    h2.heartbeat(Heartbeat(session_alive=None, log_size=1, metrics_size=1))
     now[0] = 10_000
-    assert h2.heartbeat({"session_alive": None, "log_size": 1, "metrics_size": 1}) == []
+    assert h2.heartbeat(Heartbeat(session_alive=None, log_size=1, metrics_size=1)) == []
 
 
 def test_regression_against_the_baseline_from_the_stream():
@@ -375,10 +377,10 @@ def test_a_reconnect_asks_for_the_next_byte_and_no_byte_is_sent_twice(tmp_path):
     seen = {"last_line": -1, "gen": -1}
     problem: list[str] = []
 
-    def on_event(ev: dict) -> None:
+    def on_event(ev) -> None:
         seen["gen"] = len(statuses)
-        if ev.get("event") == "data":
-            stream.append((len(target.requests) - 1, int(ev["offset"]), int(ev["next"])))
+        if isinstance(ev, Data):
+            stream.append((len(target.requests) - 1, ev.offset, ev.next))
 
     def on_line(line: str) -> None:
         if line.startswith("line "):
@@ -440,12 +442,12 @@ def test_an_overlapping_chunk_is_trimmed_a_resent_one_skipped_a_gap_refused():
     lines: list[str] = []
     f = _Follower(on_line=lines.append, on_match=None, on_alert=None, on_event=None, matcher=None, health=None)
     text = "".join(f"line {i}\n" for i in range(6))  # 7 bytes a line
-    chunk = lambda a, b: {"event": "data", "offset": 7 * a, "next": 7 * b, "text": text[7 * a: 7 * b]}  # noqa: E731
-    f.handle({"event": "run", "run_id": "r", "offset": 0})
+    chunk = lambda a, b: Data(offset=7 * a, next=7 * b, text=text[7 * a: 7 * b])  # noqa: E731
+    f.handle(RunInfo(run_id="r", offset=0))
     f.handle(chunk(0, 2))
     f.handle(chunk(1, 4))  # line 1 again, then lines 2 and 3
     f.handle(chunk(0, 3))  # all of it shown already
-    f.handle({**chunk(4, 6), "b64": base64.b64encode(text[28:42].encode()).decode(), "text": None})
+    f.handle(Data(offset=28, next=42, b64=base64.b64encode(text[28:42].encode()).decode()))
     assert lines == [f"line {i}" for i in range(6)] and f.log_offset == 42 and f.failure is None
     f.handle(chunk(7, 8))  # bytes 42..49 were never sent
     assert isinstance(f.failure, RemoteCommandError) and "skipped bytes 42..49" in str(f.failure)
@@ -671,12 +673,12 @@ def test_the_follower_turns_data_events_into_lines_and_feeds_the_real_matcher():
     matches: list = []
     f = _Follower(on_line=lines.append, on_match=matches.append, on_alert=None, on_event=None,
                   matcher=Matcher(load_catalogue()), health=None)
-    f.handle({"event": "data", "offset": 100, "next": 108, "text": "ab\r\ncd\r\n"})  # no run event before it
+    f.handle(Data(offset=100, next=108, text="ab\r\ncd\r\n"))  # no run event before it
     assert lines == ["ab", "cd"] and f.log_offset == 108 and f.lines == 2
     bad = b"caf\xe9\n"
-    f.handle({"event": "data", "offset": 108, "next": 113, "b64": base64.b64encode(bad).decode()})
-    f.handle({"event": "data", "offset": 113, "next": 113, "text": ""})  # nothing new
-    f.handle({"event": "data", "offset": 113, "next": 142, "text": "Killed\nstill writing, no newline"})
+    f.handle(Data(offset=108, next=113, b64=base64.b64encode(bad).decode()))
+    f.handle(Data(offset=113, next=113, text=""))  # nothing new
+    f.handle(Data(offset=113, next=142, text="Killed\nstill writing, no newline"))
     assert lines == ["ab", "cd", "caf\ufffd", "Killed", "still writing, no newline"] and f.lines == 5
     assert f.log_offset == 142
     f.finish_matcher()

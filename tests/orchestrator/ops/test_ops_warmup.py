@@ -84,14 +84,14 @@ def test_container_warmup_is_one_pct_exec_one_process_per_drafter_gpu_in_order(p
         assert len(pve.pct_exec_calls(311)) == 1
 
         assert [w["gpu"] for w in res.warmups] == [5, 6] and all(w["device"] == "cpu" for w in res.warmups)
-        done = [e for e in events if e.get("step") == "warmup" and "warm in" in e.get("message", "")]
-        assert [e["gpu"] for e in done] == [5, 6]
+        done = [e for e in events if e.step == "warmup" and "warm in" in e.message]
+        assert [e.gpu for e in done] == [5, 6]
         for e in done:
-            assert {"compile_s", "cache_hits", "cache_misses", "wall_s"} <= set(e)
-            assert f"GPU {e['gpu']}: warm in" in e["message"] and "cache hits" in e["message"]
+            assert {"compile_s", "cache_hits", "cache_misses"} <= set(e.warmup) and e.wall_s is not None
+            assert f"GPU {e.gpu}: warm in" in e.message and "cache hits" in e.message
         # One after the other: GPU 6 starts only after GPU 5 reported done.
-        order = [(e["gpu"], "start" if "compiling" in e["message"] else "done")
-                 for e in events if e.get("step") == "warmup" and ("compiling" in e["message"] or "warm in" in e["message"])]
+        order = [(e.gpu, "start" if "compiling" in e.message else "done")
+                 for e in events if e.step == "warmup" and ("compiling" in e.message or "warm in" in e.message)]
         assert order == [(5, "start"), (5, "done"), (6, "start"), (6, "done")]
         assert res.cache_dir == str(Path(ct.workdir) / "inductor-cache") and Path(res.cache_dir).is_dir()
         written = json.loads((Path(res.dir) / "config.json").read_text())
@@ -124,14 +124,14 @@ def test_local_cpu_warmup_compiles_then_loads_from_the_workdir_cache(tmp_path):
         assert [w["gpu"] for w in res.warmups] == [None]  # a CPU layout: one warm-up, on the CPU
         assert res.warmups[0]["device"] == "cpu" and res.warmups[0]["cache_dir"] == str(cache)
         assert res.warmups[0]["compiled"]["drafter_forward"] is True
-        shapes = [e for e in events if e.get("step") == "warmup" and "shape" in e]
-        assert len(shapes) == 1 and shapes[0]["shape"] == {"rows": 2, "row_len": 32, "num_anchors": 4}
+        shapes = [e for e in events if e.step == "warmup" and "shape" in (e.warmup or {})]
+        assert len(shapes) == 1 and shapes[0].warmup["shape"] == {"rows": 2, "row_len": 32, "num_anchors": 4}
     c, w = cold.warmups[0], warm.warmups[0]
     assert c["cache_misses"] > 0 and c["cache_hits"] == 0
     assert w["cache_hits"] > 0 and w["cache_misses"] == 0
     assert w["compile_s"] < c["compile_s"]
     assert (cache / "fxgraph").is_dir()
-    assert "CPU: warm in" in next(e["message"] for e in cold_ev if "warm in" in e.get("message", ""))
+    assert "CPU: warm in" in next(e.message for e in cold_ev if "warm in" in e.message)
 
 
 def test_the_warmup_verb_through_the_installed_cli(dflashctl, tmp_path):

@@ -102,7 +102,7 @@ def test_stop_escalates_to_sigkill_for_a_run_that_ignores_int_and_term(tmp_path,
     out = stop(t, res.run_id, grace_s=0.5, on_event=events.append)
     assert out.signals == ["SIGINT", "SIGTERM", "SIGKILL"]
     assert out.exit["signal"] == "SIGKILL" and out.state == "stopped"
-    assert [e["signal"] for e in events if e.get("step") == "stop"] == ["SIGINT", "SIGTERM", "SIGKILL"]
+    assert [e.signal for e in events if e.step == "stop"] == ["SIGINT", "SIGTERM", "SIGKILL"]
     st = status(t)
     assert st.run(res.run_id)["state"] == "stopped" and st.sessions == []  # the dead session was cleared
     again = stop(t, res.run_id, grace_s=0.5)

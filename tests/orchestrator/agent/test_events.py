@@ -1,0 +1,117 @@
+"""The typed agent events (orchestrator.agent.events): what the agent writes is what the workstation reads,
+and anything else is refused with one error naming the event kind and the field."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from orchestrator.agent import events
+from orchestrator.agent.events import EVENTS, BadEvent, Data, Error, Heartbeat, Progress, Result
+from orchestrator.agent.protocol import Emitter
+from orchestrator.errors import AgentError
+from orchestrator.target import LocalTarget
+from orchestrator.transport.local import LocalTransport
+
+REQUIRED = {"step": "s", "type": "T", "message": "m", "run_id": "r", "offset": 3, "next": 5, "file": "train.log"}
+
+
+@pytest.mark.parametrize("kind", sorted(EVENTS))
+def test_an_event_survives_the_wire(kind):
+    cls = EVENTS[kind]
+    ev = cls(**{k: v for k, v in REQUIRED.items() if k in cls.__dataclass_fields__})
+    out = io.StringIO()
+    Emitter(out).send(ev)
+    line = out.getvalue()
+    assert line.endswith("\n") and line.count("\n") == 1
+    assert json.loads(line)["event"] == kind and events.parse(json.loads(line)) == ev
+
+
+def test_a_field_at_none_is_not_written_and_reads_back_as_none():
+    assert Progress(step="warmup", message="CPU: compiling", gpu=None).to_json() == {
+        "event": "progress", "step": "warmup", "message": "CPU: compiling"}
+    assert events.parse({"event": "progress", "step": "warmup"}).gpu is None
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"event": "progress", "step": "x", "bogus": 1}, "progress event: unknown field 'bogus'"),
+    ({"event": "progress", "message": "no step"}, "progress event: missing field 'step'"),
+    ({"event": "data", "offset": 0}, "data event: missing field 'next'"),
+    ({"event": "data", "offset": "0", "next": 1}, "data event: field 'offset' must be an integer, got \"0\""),
+    ({"event": "heartbeat", "log_size": True}, "heartbeat event: field 'log_size' must be an integer, got true"),
+    ({"event": "run", "offset": 0}, "run event: missing field 'run_id'"),
+    ({"event": "error", "type": "T"}, "error event: missing field 'message'"),
+    ({"event": "result", "data": [1]}, "result event: field 'data' must be an object, got [1]"),
+    ({"event": "log", "line": "x"}, "unknown event kind 'log' (known: data, error, heartbeat, metrics, progress, "
+                                    "result, run, truncated)"),
+    ({"step": "x"}, "unknown event kind None"),
+])
+def test_a_bad_event_names_the_kind_and_the_field(data, words):
+    with pytest.raises(BadEvent) as info:
+        events.parse(data)
+    assert words in str(info.value)
+
+
+def test_from_json_of_one_kind_refuses_another():
+    with pytest.raises(BadEvent, match="progress event: its \"event\" is 'data'"):
+        Progress.from_json({"event": "data", "offset": 0, "next": 0})
+
+
+def test_emitting_a_progress_field_the_event_lacks_fails_in_the_agent():
+    with pytest.raises(TypeError, match="bogus"):
+        Emitter(io.StringIO()).progress("x", "y", bogus=1)
+
+
+def test_data_gives_back_the_exact_bytes():
+    assert Data(offset=0, next=3, text="a\u00e9").raw() == "a\u00e9".encode()
+    assert Data(offset=0, next=4, b64="Y2Fm6Q==").raw() == b"caf\xe9"
+
+
+class _Script(LocalTarget):
+    """A LocalTarget whose "agent" is a script printing the given lines (what a mismatched bundle would send)."""
+
+    lines: tuple = ()
+
+    def agent_argv(self, verb: str) -> list[str]:
+        return [sys.executable, "-c", "import sys; sys.stdin.read(); print(sys.argv[1])", "\n".join(self.lines)]
+
+    def _run_agent(self, verb, payload, stream, timeout):
+        return self.transport.run(self.agent_argv(verb), stdin=payload, timeout=timeout, on_stdout=stream.feed)
+
+
+def _target(tmp_path, *lines: str) -> _Script:
+    t = _Script(name="here", workdir=str(tmp_path), transport=LocalTransport())
+    t.lines = lines
+    return t
+
+
+def test_the_workstation_hands_typed_events_on_and_returns_the_result(tmp_path):
+    seen: list = []
+    t = _target(tmp_path, json.dumps({"event": "progress", "step": "a", "message": "b"}),
+                "a library's stray line", json.dumps({"event": "heartbeat", "log_size": 4}),
+                json.dumps({"event": "result", "data": {"ok": 1}}))
+    assert t.agent("echo", on_event=seen.append) == {"ok": 1}
+    assert seen == [Progress(step="a", message="b"), Heartbeat(log_size=4)]
+
+
+def test_an_error_event_becomes_the_agent_error(tmp_path):
+    t = _target(tmp_path, json.dumps(Error(type="GpuBusy", message="GPU 1 busy", fix="wait", data={"g": 1}).to_json()))
+    with pytest.raises(AgentError) as info:
+        t.agent("launch")
+    assert (info.value.agent_type, info.value.message, info.value.fix, info.value.data) == (
+        "GpuBusy", "GPU 1 busy", "wait", {"g": 1})
+
+
+def test_an_event_the_workstation_cannot_read_fails_the_call_naming_it(tmp_path):
+    seen: list = []
+    t = _target(tmp_path, json.dumps({"event": "progress", "step": "a", "colour": "red"}),
+                json.dumps(Result(data={"ok": 1}).to_json()))
+    with pytest.raises(AgentError) as info:
+        t.agent("launch", on_event=seen.append)
+    assert info.value.agent_type == "BadEvent" and seen == []
+    assert "agent launch on here sent an event this workstation cannot read: progress event: unknown field " \
+           "'colour'" in info.value.message
+
