@@ -1,0 +1,112 @@
+"""orchestrator.agent.venvinfo: what a launch's preflight reads of the venv it would use (a uv venv's
+fingerprint, the target's python3 for a `system` profile), the words it says when they do not match, and the
+post-build verify refusing a venv that lacks what the bundle imports, with nothing written. Real venvs and
+real interpreters; the whole rebuild (uv, locks, containers) is in tests/orchestrator/ops/test_venv.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent import venvinfo
+
+REPO = Path(__file__).resolve().parents[3]
+UV = {"kind": "uv", "lock": "cpu"}
+
+
+def current_venv(workdir: Path, name: str, fingerprint: str | None) -> Path:
+    """`<workdir>/venvs/<name>` as `current`, with `fingerprint` as its fingerprint file's text (None: none)."""
+    v = workdir / "venvs" / name
+    (v / "bin").mkdir(parents=True)
+    if fingerprint is not None:
+        (v / venvinfo.FINGERPRINT).write_text(fingerprint)
+    (workdir / "venvs" / "current").symlink_to(name)
+    return v
+
+
+def test_no_venv_yet_says_so_and_how_to_build_one(tmp_path):
+    fp = venvinfo.current_fingerprint(str(tmp_path), UV)
+    assert fp["lock_hash"] is None
+    assert venvinfo.fingerprint_diff(fp, "abc") == [f"no venv built in {tmp_path}/venvs (run `dflashctl rebuild-venv`)"]
+
+
+@pytest.mark.parametrize("text", [None, '{"kind": "uv", "lock_h'])  # never written / torn by a crash
+def test_a_venv_without_a_whole_fingerprint_is_never_taken_for_a_built_one(tmp_path, text):
+    current_venv(tmp_path, "abc-1", text)
+    fp = venvinfo.current_fingerprint(str(tmp_path), UV)
+    assert fp["lock_hash"] is None and fp["venv"] == "abc-1"
+    [why] = venvinfo.fingerprint_diff(fp, "abc")
+    assert venvinfo.FINGERPRINT in why and "dflashctl rebuild-venv" in why
+
+
+def test_a_built_venv_matches_its_lock_and_another_profiles_lock_is_named(tmp_path):
+    current_venv(tmp_path, "abc-1", json.dumps({"kind": "uv", "lock_hash": "abc", "torch": "2.13.0"}))
+    fp = venvinfo.current_fingerprint(str(tmp_path), UV)
+    assert (fp["venv"], fp["lock_hash"], fp["torch"]) == ("abc-1", "abc", "2.13.0")
+    assert venvinfo.fingerprint_diff(fp, "abc") == []
+    assert venvinfo.fingerprint_diff(fp, "def", {"name": "cuda", "lock": "cuda"}) == [
+        "the current venv abc-1 was built from lock abc; venv profile 'cuda' (lock cuda) needs lock def "
+        "(run `dflashctl rebuild-venv`)"]
+
+
+def test_the_workstation_profile_is_this_interpreter_and_matches_without_a_lock(tmp_path):
+    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "workstation"})
+    assert fp["executable"] == sys.executable and fp["packages"]["pytest"] == pytest.__version__
+    assert venvinfo.fingerprint_diff(fp, None) == []
+
+
+def test_the_system_profile_describes_the_python3_on_path_not_the_agents(tmp_path, monkeypatch):
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)  # a python3 with no distributions at all
+    monkeypatch.setenv("PATH", f"{bare / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "system"})
+    assert fp["executable"] == str(bare / "bin" / "python3") and fp["packages"] == {}
+    assert "error" not in fp and venvinfo.fingerprint_diff(fp, None) == []
+
+
+def test_the_system_profile_without_python3_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "system"})
+    assert venvinfo.fingerprint_diff(fp, None) == [
+        "no python3 on PATH in the target (install it: apt-get install -y python3)"]
+
+
+def test_what_changed_between_two_fingerprints_is_one_line_each():
+    old = {"python": "3.11.2", "torch": "2.9.0", "packages": {"torch": "2.9.0", "numpy": "2.1.0"}}
+    new = {"python": "3.11.2", "torch": "2.13.0", "packages": {"torch": "2.13.0", "safetensors": "0.5.0"}}
+    assert venvinfo.diff_fingerprints(old, new) == [
+        "torch: 2.9.0 -> 2.13.0", "numpy: 2.1.0 -> (absent)", "safetensors: (absent) -> 0.5.0", "torch: 2.9.0 -> 2.13.0"]
+
+
+def test_verify_refuses_a_venv_that_lacks_what_the_bundle_imports_and_writes_no_fingerprint(tmp_path):
+    # The rebuild script's last step, as it runs it: the NEW venv's interpreter with the bundle importable.
+    # This venv has nothing installed, so the modules the container-side code imports (torch, ...) are
+    # missing: one error naming them and where they are imported, exit 3, and no fingerprint (a venv
+    # without one is never `current`'s match, see above).
+    src = tmp_path / "src"  # the packages alone, as the bundle carries them (no .egg-info beside them)
+    for pkg in ("orchestrator", "trainer"):
+        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    v = tmp_path / "new-venv"
+    venv.create(v, with_pip=False)
+    res = subprocess.run(
+        [str(v / "bin" / "python"), "-m", "orchestrator.agent.venvinfo", "verify", "--venv", str(v),
+         "--lock-hash", "abc", "--bundle-hash", "b1", "--python-request", "3.11", "--jobs", "1"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(src)})
+    assert res.returncode == venvinfo.EXIT_VERIFY_FAILED, res.stderr
+    events = [json.loads(line) for line in res.stdout.splitlines()]
+    [error] = [e for e in events if e["event"] == "error"]
+    assert error["type"] == "LockMissesModule" and "torch (trainer/" in error["message"]
+    assert error["fix"].endswith("run `dflashctl lock PROFILE`") and "torch" in error["data"]["missing"]
+    assert not (v / venvinfo.FINGERPRINT).exists()
+
+
+def test_the_module_refuses_an_unknown_command_with_its_usage(capsys):
+    assert venvinfo.main(["fingerprint"]) == 2
+    assert "usage: python -m orchestrator.agent.venvinfo verify|requirements" in capsys.readouterr().err
