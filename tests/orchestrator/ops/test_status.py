@@ -1,5 +1,5 @@
-"""status and stop: run states (running / succeeded / failed / crashed), last tokens/s, the graceful stop's
-escalation, and a container stopped under a run (`pct stop`)."""
+"""status: run states (running / succeeded / failed / crashed), last tokens/s, and a container stopped under a
+run (`pct stop`). The graceful stop's escalation: tests/orchestrator/ops/test_stop.py."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.agent import runs as agent_runs
-from orchestrator.errors import RunNotFound
 from orchestrator.ops.launch import LaunchSpec, launch
 from orchestrator.ops.status import status
-from orchestrator.ops.stop import stop
 from orchestrator.target import ContainerTarget
 
 STUBBORN = [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
@@ -92,26 +90,6 @@ def test_status_shows_last_tokens_per_s_and_a_growing_duration(tmp_path, local_t
     later = status(t).run(res.run_id)
     assert later["duration_s"] >= run["duration_s"] + 1.0
     assert [s["run_id"] for s in status(t).sessions] == [res.run_id]
-
-
-def test_stop_escalates_to_sigkill_for_a_run_that_ignores_int_and_term(tmp_path, local_target):
-    t = local_target
-    res = launch(t, spec("stub", STUBBORN))
-    wait_for(lambda: "\nready\n" in (Path(res.run_dir) / "train.log").read_text())
-    events: list[dict] = []
-    out = stop(t, res.run_id, grace_s=0.5, on_event=events.append)
-    assert out.signals == ["SIGINT", "SIGTERM", "SIGKILL"]
-    assert out.exit["signal"] == "SIGKILL" and out.state == "stopped"
-    assert [e.signal for e in events if e.step == "stop"] == ["SIGINT", "SIGTERM", "SIGKILL"]
-    st = status(t)
-    assert st.run(res.run_id)["state"] == "stopped" and st.sessions == []  # the dead session was cleared
-    again = stop(t, res.run_id, grace_s=0.5)
-    assert again.already_ended and again.signals == []
-
-
-def test_stop_unknown_run(tmp_path, local_target):
-    with pytest.raises(RunNotFound, match="no run nope-1"):
-        stop(local_target, "nope-1")
 
 
 def test_killed_wrapper_without_exit_json_is_crashed(tmp_path, local_target):

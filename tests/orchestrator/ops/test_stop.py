@@ -1,7 +1,7 @@
-"""A user's stop is recorded and shown as "stopped" (by whom, when), distinct from failed and crashed: in
-exit.json, `status`, `runs`, `logs` (its outcome line and exit code 5), and for `launch --replace` too
-(issue 10, item 8). Through the installed `dflashctl` console script on the local target, plus the wrapper
-script on its own."""
+"""stop (orchestrator.ops.stop): the graceful escalation, where a run is looked for, and a user's stop recorded
+and shown as "stopped" (by whom, when), distinct from failed and crashed: in exit.json, `status`, `runs`,
+`logs` (its outcome line and exit code 5), and for `launch --replace` too (issue 10, item 8). Through the
+installed `dflashctl` console script on the local target, plus the wrapper script on its own."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator import assets
+from orchestrator.errors import RunNotFound
+from orchestrator.ops.launch import LaunchSpec, launch
+from orchestrator.ops.status import status
+from orchestrator.ops.stop import stop
 
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
@@ -26,6 +30,9 @@ SCRIPT = assets.on_disk("start_training.sh")
 # Ends on SIGINT the way python does (KeyboardInterrupt: killed by SIGINT, exit 130 as the wrapper records it).
 SLEEPER = [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"]
 ME = f"{getpass.getuser()}@{socket.gethostname()}"
+# Ignores SIGINT and SIGTERM: only the stop's last step, SIGKILL, ends it.
+STUBBORN = [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"]
 
 
 def _inventory(tmp_path: Path) -> Path:
@@ -52,6 +59,27 @@ def _wait_ready(run: Path, timeout: float = 30) -> None:
 
 def _runs(tmp_path: Path) -> list[Path]:
     return sorted((p for p in (tmp_path / "work" / "runs").iterdir()), key=lambda p: p.stat().st_mtime)
+
+
+def test_stop_escalates_to_sigkill_for_a_run_that_ignores_int_and_term(tmp_path, local_target):
+    t = local_target
+    res = launch(t, LaunchSpec(experiment="stub", kind="command", target="local", command=STUBBORN,
+                                venv_profile={"kind": "workstation"}))
+    _wait_ready(Path(res.run_dir))
+    events: list[dict] = []
+    out = stop(t, res.run_id, grace_s=0.5, on_event=events.append)
+    assert out.signals == ["SIGINT", "SIGTERM", "SIGKILL"]
+    assert out.exit["signal"] == "SIGKILL" and out.state == "stopped"
+    assert [e.signal for e in events if e.step == "stop"] == ["SIGINT", "SIGTERM", "SIGKILL"]
+    st = status(t)
+    assert st.run(res.run_id)["state"] == "stopped" and st.sessions == []  # the dead session was cleared
+    again = stop(t, res.run_id, grace_s=0.5)
+    assert again.already_ended and again.signals == []
+
+
+def test_stop_unknown_run(tmp_path, local_target):
+    with pytest.raises(RunNotFound, match="no run nope-1"):
+        stop(local_target, "nope-1")
 
 
 def test_stop_is_recorded_and_shown_as_stopped_by_whom_and_when(tmp_path, dflashctl):
@@ -133,3 +161,44 @@ def _wrapper_run(tmp_path: Path, stop_json: str | None) -> dict:
 def test_the_wrapper_copies_stop_json_into_exit_json(tmp_path, stop_json, expected):
     ex = _wrapper_run(tmp_path, stop_json)
     assert ex["stopped"] == expected and ex["exit_code"] == 130
+
+
+def test_stop_goes_where_the_record_says_and_without_a_record_where_the_user_says(tmp_path, dflashctl):
+    # orchestrator.ops.stop.stop_run: a recorded run is stopped on its recorded target (not the inventory's
+    # default); a run this workstation has no record of (launched from another one) on --target, else on the
+    # default target, where it is not found: the user is told where it looked and how to look further.
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text(textwrap.dedent(f"""\
+        targets:
+          local: {{kind: local, workdir: {json.dumps(str(tmp_path / 'work'))}, venv: workstation}}
+          far: {{kind: local, workdir: {json.dumps(str(tmp_path / 'far'))}, venv: workstation}}
+        venvs:
+          workstation: {{kind: workstation}}
+        experiments:
+          one: {{kind: command, target: far, command: {json.dumps(SLEEPER)}}}
+          two: {{kind: command, target: far, command: {json.dumps(SLEEPER)}}}
+        """))
+    inv = ["--inventory", str(inv_path)]
+    for exp in ("one", "two"):
+        launched = dflashctl(*inv, "launch", exp)
+        assert launched.returncode == 0, launched.stderr
+    one, two = (next((tmp_path / "far" / "runs").glob(f"{exp}-*")) for exp in ("one", "two"))
+    _wait_ready(one)
+    _wait_ready(two)
+
+    stopped = dflashctl(*inv, "stop", one.name, "--grace", "5")
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.startswith(f"run {one.name} stopped with SIGINT: stopped by {ME}")
+
+    from orchestrator.records import records_path
+
+    records_path().unlink()  # as on another workstation: no record of `two` here
+    missed = dflashctl(*inv, "stop", two.name, "--grace", "5")
+    assert missed.returncode == 4, missed.stderr
+    assert f"no run {two.name}" in missed.stderr and "dflashctl status --target local" in missed.stderr
+    assert not (two / "exit.json").exists()  # still running where it is
+
+    stopped = dflashctl(*inv, "stop", two.name, "--target", "far", "--grace", "5")
+    assert stopped.returncode == 0, stopped.stderr
+    assert json.loads((two / "exit.json").read_text())["stopped"]["by"] == ME
+    assert json.loads(dflashctl(*inv, "runs", "--json").stdout) == []  # a stop alone makes no record of a run
