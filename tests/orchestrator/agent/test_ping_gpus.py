@@ -1,4 +1,5 @@
-"""Agent verbs ping and gpus, and the nvidia-smi parser, through a real LocalTarget subprocess."""
+"""Agent verbs ping and gpus, and the nvidia-smi parser, through a real LocalTarget subprocess and a container of
+the fake Proxmox host. (open_target itself: tests/orchestrator/test_target.py.)"""
 
 from __future__ import annotations
 
@@ -214,46 +215,3 @@ def test_gpus_in_a_container_without_nvidia_smi(pve, tmp_path):
     finally:
         target.close()
     assert out["gpus"] == [] and "nvidia-smi not found" in out["reason"]
-
-
-# ---------------------------------------------------------------- open_target (local)
-
-
-def _local_inventory(tmp_path: Path, workdir: str, venv: str = "workstation"):
-    from orchestrator.inventory import parse_inventory
-
-    return parse_inventory(
-        f"targets:\n  here: {{kind: local, workdir: '{workdir}', venv: {venv}}}\n"
-        "venvs:\n  workstation: {kind: workstation}\n  cpu: {kind: uv, lock: cpu}\n"
-    )
-
-
-def test_open_target_local_creates_the_workdir_and_uses_this_interpreter(tmp_path):
-    from orchestrator.target import LocalTarget, open_target
-
-    target = open_target(_local_inventory(tmp_path, str(tmp_path / "a" / "b")), "here")
-    assert isinstance(target, LocalTarget)
-    assert Path(target.workdir).is_dir() and target.workdir == str(tmp_path / "a" / "b")
-    assert target.python == sys.executable
-    assert target.agent("echo")["python"] == sys.executable
-
-
-def test_open_target_local_uv_profile_uses_the_current_venv(tmp_path):
-    from orchestrator.target import open_target
-
-    inv = _local_inventory(tmp_path, str(tmp_path / "w"), venv="cpu")
-    assert open_target(inv, "here").python == sys.executable  # no venv built yet
-    bindir = tmp_path / "w" / "venvs" / "v1" / "bin"
-    bindir.mkdir(parents=True)
-    (bindir / "python").symlink_to(sys.executable)
-    (tmp_path / "w" / "venvs" / "current").symlink_to("v1")
-    assert open_target(inv, "here").python == str(tmp_path / "w" / "venvs" / "current" / "bin" / "python")
-
-
-def test_open_target_local_unusable_workdir(tmp_path):
-    from orchestrator.errors import UserError
-    from orchestrator.target import open_target
-
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(UserError, match=r"cannot create the workdir .*file/sub.* of target 'here'"):
-        open_target(_local_inventory(tmp_path, str(tmp_path / "file" / "sub")), "here")

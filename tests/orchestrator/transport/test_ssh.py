@@ -262,3 +262,14 @@ def _sshd_children(main_pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == main_pid:
                 out.append(int(entry.name))
     return out
+
+
+def test_ssh_argv_quotes_the_remote_command_once():
+    import subprocess
+
+    from orchestrator.transport.ssh import openssh_argv
+
+    argv = openssh_argv("pve1", ["pct", "exec", "200", "--", "echo", "a b", "$(id)"], tty=True)
+    assert argv == ["ssh", "-t", "pve1", "pct exec 200 -- echo 'a b' '$(id)'"]
+    assert subprocess.run(["sh", "-c", "printf '%s\\n' " + argv[-1].split(" -- ", 1)[1]],
+                          capture_output=True, text=True).stdout == "echo\na b\n$(id)\n"
