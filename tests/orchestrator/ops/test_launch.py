@@ -244,7 +244,7 @@ def test_dflash_launch_of_the_embedded_tiny_experiment_starts_the_real_trainer(t
     events: list[dict] = []
     res = launch(t, spec, on_event=events.append)
     layout = [e for e in events if e.step == "layout"]
-    assert [e["message"] for e in layout] == ["colocated: target and drafter in one CPU process"]
+    assert [e.message for e in layout] == ["colocated: target and drafter in one CPU process"]
     assert not any("warn" in e.message.lower() for e in events)
     run = Path(res.run_dir)
     cfg = load_config(run / "config.json")  # the trainer's own loader accepts what launch wrote
