@@ -45,24 +45,46 @@ def write_inventory(tmp_path: Path) -> Path:
     return p
 
 
-def test_help_imports_nothing_heavy():
+def imported_by(*args: str, inventory: Path | None = None) -> list[str]:
+    """The top-level packages a fresh interpreter has imported after `dflashctl ARGS` (`-i inventory` first),
+    among those this project's commands import only when they use them."""
+    watched = (*HEAVY, "pydantic", "yaml", "rich", "platformdirs", "plotext", "trainer")
     code = textwrap.dedent(
         """
         import json, sys
         from orchestrator.cli import main
         try:
-            main(["--help"])
+            main(sys.argv[1:])
         except SystemExit:
             pass
-        print("MODULES=" + json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in %r)))
-        """ % (HEAVY,)
+        print("MODULES=" + json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(%r))))
+        """ % (watched,)
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    argv = [*(["-i", str(inventory)] if inventory else []), *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "doctor" in out.stdout  # the help really listed the commands
     line = next(line for line in out.stdout.splitlines() if line.startswith("MODULES="))
-    assert json.loads(line[len("MODULES="):]) == []
+    return json.loads(line[len("MODULES="):])
+
+
+def test_help_imports_nothing_heavy():
+    assert imported_by("--help") == []
+
+
+@pytest.mark.parametrize("verb", ["launch", "status", "logs", "metrics", "doctor", "lock", "runs"])
+def test_a_verbs_help_imports_nothing_it_does_not_use(verb):
+    """A verb's --help loads no inventory, transport, trainer or renderer. (typer >= 0.20 checks its own
+    option values with pydantic TypeAdapters, so pydantic may come with typer.)"""
+    assert [m for m in imported_by(verb, "--help") if m != "pydantic"] == []
+
+
+def test_status_of_a_local_target_imports_no_ssh_tmux_or_torch(tmp_path):
+    """The workstation side of a local status validates the inventory (pydantic, yaml, the trainer's config)
+    and prints (rich); the SSH stack, libtmux (the agent's, in its own process), torch and plotext it never
+    uses."""
+    got = imported_by("status", "--target", "local", inventory=write_inventory(tmp_path))
+    assert set(got) <= {"pydantic", "yaml", "trainer", "rich", "platformdirs"}, got
 
 
 def test_doctor_json_on_a_local_target(tmp_path):
