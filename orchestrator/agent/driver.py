@@ -336,11 +336,11 @@ def installed_torch_cuda() -> str | None:
 def venv_torch(workdir: str, profile) -> dict:
     """{torch, cuda, venv, error} of the venv a launch in `workdir` uses: its fingerprint (a uv profile),
     or the running interpreter's torch (the workstation profile; read from its files, not imported)."""
-    from importlib import metadata
-
     from orchestrator.agent import venvinfo
 
     if venvinfo.profile_kind(profile) == "workstation":
+        from importlib import metadata  # here only: a uv venv's fingerprint says it (and the import costs)
+
         try:
             torch_version = metadata.version("torch")
         except metadata.PackageNotFoundError:

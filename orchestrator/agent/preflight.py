@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.agent import claims, gpu, resume, runs, tmuxctl
+# driver and venvinfo too, though only a run on GPUs and a venv check use them: the agent imports its verb
+# before it reads the request, so their import is not on a launch's path once the request is there.
+from orchestrator.agent import claims, driver, gpu, resume, runs, tmuxctl, venvinfo
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, build_command, run_config
 from orchestrator.quoting import render
@@ -43,8 +45,6 @@ def check_driver(workdir: str, request: dict, gpus: list[int], emit) -> None:
     module (checked before the GPU query, which a library mismatch would only report as unreadable)."""
     if not gpus:
         return
-    from orchestrator.agent import driver
-
     profile = request.get("venv_profile") or {}
     torch = driver.venv_torch(workdir, profile)
     info = driver.probe()
@@ -58,8 +58,6 @@ def check_driver(workdir: str, request: dict, gpus: list[int], emit) -> None:
 
 def check_venv(workdir: str, request: dict, emit) -> dict:
     """The venv fingerprint, refused when it differs from the experiment's lock."""
-    from orchestrator.agent import venvinfo
-
     profile = request.get("venv_profile") or {}
     actual = venvinfo.current_fingerprint(workdir, profile)
     diff = venvinfo.fingerprint_diff(actual, request.get("lock_hash"), profile)

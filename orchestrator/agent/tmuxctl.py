@@ -5,14 +5,21 @@ dflash-<experiment>` reaches by hand; in a container /tmp, and so the server, is
 Each session carries the user option `@dflash_run` = the run id, so a run's state is read from the session
 that really runs it, never from a later run of the same experiment.
 
-libtmux is imported lazily (the agent module must import under a bare python3); without it the same
-tmux commands run through the tmux CLI directly.
+libtmux is optional (the agent module must import under a bare python3); without it the same tmux commands
+run through the tmux CLI directly. It is imported with this module, not at first use: the agent imports its
+verb before it reads the request, so a launch started early (orchestrator.preconnect) has it loaded by the
+time the request arrives.
 """
 
 from __future__ import annotations
 
 from orchestrator import names
 from orchestrator.agent.protocol import AgentFailure
+
+try:
+    import libtmux
+except ImportError:
+    libtmux = None
 
 SESSION_PREFIX = names.SESSION_PREFIX
 RUN_OPTION = "@dflash_run"
@@ -56,9 +63,7 @@ class _CliServer:
 
 
 def _server():
-    try:
-        import libtmux
-    except ImportError:
+    if libtmux is None:
         return _CliServer()
     try:
         return libtmux.Server()
