@@ -29,8 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from orchestrator import names
 from orchestrator.inventory_file import (  # noqa: F401 - the lookup lives there, light enough for preconnect
+    CONTAINER_HOME,
+    CONTAINER_WORKDIR,
     EMBEDDED,
     ENV_VAR,
+    PCT,
     embedded_text,
     find_inventory,
     read_inventory,
@@ -91,7 +94,7 @@ class HostSpec(_Strict):
     """Private key file (default: ssh-agent and the usual ~/.ssh/id_* keys)."""
     known_hosts: str | None = None
     """known_hosts file to trust and record keys in (default: ~/.ssh/known_hosts)."""
-    pct: str = "pct"
+    pct: str = PCT
     """The pct command on the host (an absolute path if the login PATH lacks /usr/sbin)."""
     sudo: bool = False
     """Run pct through `sudo -n` (for a non-root user with passwordless sudo for pct)."""
@@ -125,13 +128,13 @@ class ContainerTargetSpec(_Strict):
     """Host name (key of `hosts:`)."""
     ctid: int = Field(ge=100, le=999_999_999)
     """Container id (Proxmox VMIDs start at 100)."""
-    workdir: str = "/root/dflash"
+    workdir: str = CONTAINER_WORKDIR
     """Absolute working directory inside the container (runs/, venvs/, bundle/, uv-cache/)."""
     venv: str = "cuda"
     """Venv profile name (key of `venvs:`)."""
     gpu_idle_mib: int = Field(1024, ge=0)
     """A GPU using less memory than this (MiB) counts as idle for launch preflight."""
-    home: str = "/root"
+    home: str = CONTAINER_HOME
     """HOME inside the container (pct does not set it)."""
 
 

@@ -13,6 +13,11 @@ from orchestrator import assets
 from orchestrator.errors import InventoryError
 
 ENV_VAR = "DFLASHCTL_INVENTORY"
+# Defaults of the fields a container target's agent command line depends on: orchestrator.inventory's models
+# use them, and orchestrator.preconnect reads the raw YAML with them before those models exist.
+CONTAINER_WORKDIR = "/root/dflash"
+CONTAINER_HOME = "/root"
+PCT = "pct"
 EMBEDDED = "<embedded default inventory>"
 DEFAULT_RESOURCE = "inventory.yaml"
 

@@ -8,6 +8,13 @@ finds the host of the command's target and connects, while the main thread valid
 used (else the thread's connection is closed and a fresh one is made), and an error the thread met
 (unknown host key, refused, ...) is raised there as if the connection had been opened then.
 Anything the raw read cannot make sense of just means no early connection: validation reports it.
+
+A command that knows its one agent call (launch) also has the thread START that call once connected: the
+container enters pct, starts Python and imports the verb (a good part of a second on a Proxmox host) while
+the workstation still validates and builds the request. The agent reads its request from stdin, so the
+started call simply waits for it. open_target hands the started call to the Target, whose next agent call
+finishes it when its command line is exactly the one started (same container, workdir, bundle, verb); any
+other is dropped unfinished, and a dropped agent reads end-of-file instead of a request and runs nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 from orchestrator.errors import DflashError
+from orchestrator.inventory_file import CONTAINER_HOME, CONTAINER_WORKDIR, PCT, read_inventory
 
 # The HostSpec fields the connection depends on (the others say how to run pct).
 FIELDS = ("ssh", "port", "user", "identity_file", "known_hosts")
@@ -38,17 +46,42 @@ class HostKey:
         return cls(name, *(getattr(host, f) for f in FIELDS))
 
 
-class EarlyConnection:
-    """One background connection attempt; `take` hands it over once (see the module docstring)."""
+@dataclass(frozen=True)
+class EarlyAgent:
+    """The agent call to start early: the verb, and the container target as the raw inventory describes it
+    (the fields orchestrator.target.container_target reads, with the inventory's defaults)."""
 
-    def __init__(self, key: HostKey):
+    verb: str
+    target: str
+    ctid: int
+    workdir: str = CONTAINER_WORKDIR
+    home: str = CONTAINER_HOME
+    pct: str = PCT
+    sudo: bool = False
+
+
+class EarlyConnection:
+    """One background connection attempt (and agent call, when `agent` is given); `take` and `take_agent`
+    hand them over once (see the module docstring)."""
+
+    def __init__(self, key: HostKey, agent: EarlyAgent | None = None):
         self.key = key
+        self.agent = agent
         self._transport = None
+        self._started = None
         self._error: BaseException | None = None
+        self.prepared = threading.Event()  # the thread's own CPU work is done (see start)
         self._thread = threading.Thread(target=self._connect, name="dflashctl-preconnect", daemon=True)
         self._thread.start()
 
     def _connect(self) -> None:
+        try:
+            self._prepare()
+        except BaseException as exc:  # take() returns None for it: the command connects and reports it itself
+            self._error = exc
+            return
+        finally:
+            self.prepared.set()
         from orchestrator.target import ssh_transport
 
         transport = ssh_transport(self.key, self.key.name)
@@ -59,6 +92,34 @@ class EarlyConnection:
             self._error = exc
             return
         self._transport = transport
+        if self.agent is not None:
+            self._start_agent(transport)
+
+    def _prepare(self) -> None:
+        """The thread's CPU work before it waits on the network: the SSH stack's imports and, for an agent
+        call, the bundle's hash."""
+        from orchestrator.transport.ssh import import_ssh_stack
+
+        import_ssh_stack()
+        if self.agent is not None:
+            from orchestrator.bundle import build_bundle
+
+            build_bundle()
+
+    def _start_agent(self, transport) -> None:
+        from orchestrator.target import container_target
+
+        try:
+            self._started = container_target(self.agent.target, self.agent, self.agent, transport).start_agent(self.agent.verb)
+        except Exception:  # noqa: BLE001 - no early call: the command's own call meets the problem and reports it
+            self._started = None
+
+    def take_agent(self):
+        """The agent call started early (a transport Started), once; None when none was started. Only for the
+        caller that took the connection (it rides on it)."""
+        self._thread.join()
+        started, self._started = self._started, None
+        return started
 
     def take(self, key: HostKey):
         """The connected SSHTransport if it was made for `key`, else None (and it is closed).
@@ -70,6 +131,7 @@ class EarlyConnection:
         transport, error = self._transport, self._error
         self._transport = self._error = None
         if key != self.key:
+            self._started = None  # it rode on the connection closed here
             if transport is not None:
                 transport.close()
             return None
@@ -80,26 +142,48 @@ class EarlyConnection:
     def close(self) -> None:
         """Close a connection nobody took (the command ended first, or failed)."""
         self._thread.join()
+        self._started = None  # closing the connection drops it: the agent reads end-of-file, runs nothing
         if self._transport is not None:
             self._transport.close()
             self._transport = None
 
 
-def start(inventory: str | None, target: str | None, experiment: str | None = None) -> EarlyConnection | None:
-    """Start connecting to the host of `target` (else the experiment's target) when it is a container.
+def start(inventory: str | None, target: str | None, experiment: str | None = None,
+          verb: str | None = None) -> EarlyConnection | None:
+    """Start connecting to the host of `target` (else the experiment's target) when it is a container; with
+    `verb`, also start that agent call in the container once connected.
 
     Returns None when the raw inventory names no such container target, or cannot be read: the command
     then connects as usual and validation reports any problem.
     """
-    key = _host_key(inventory, target, experiment)
-    return EarlyConnection(key) if key is not None else None
+    found = _host_key(inventory, target, experiment)
+    if found is None:
+        return None
+    key, name, spec, host = found
+    early = EarlyConnection(key, _early_agent(verb, name, spec, host) if verb else None)
+    # Importing paramiko is CPU work, and two threads of one process share the CPU (the GIL): imported side
+    # by side with the command's own modules, the connection would start no sooner than both are done. So
+    # the command waits for the thread's CPU work (imports, the bundle's hash); the connection's waits on
+    # the network then overlap the command's own work, and the container starts its part first.
+    early.prepared.wait()
+    return early
 
 
-def _host_key(inventory: str | None, target: str | None, experiment: str | None) -> HostKey | None:
+def _early_agent(verb: str, target: str, spec: dict, host: dict) -> EarlyAgent | None:
+    """The EarlyAgent of a raw target and host entry; None when a field is not of its type (validation will
+    say so)."""
+    fields = {"ctid": spec.get("ctid"), "workdir": spec.get("workdir", CONTAINER_WORKDIR),
+              "home": spec.get("home", CONTAINER_HOME), "pct": host.get("pct", PCT), "sudo": host.get("sudo", False)}
+    types = {"ctid": int, "workdir": str, "home": str, "pct": str, "sudo": bool}
+    if any(type(fields[k]) is not t for k, t in types.items()):  # noqa: E721 - exact: a bool is no ctid
+        return None
+    return EarlyAgent(verb, target, **fields)
+
+
+def _host_key(inventory: str | None, target: str | None, experiment: str | None):
+    """(HostKey, target name, raw target entry, raw host entry) of the container target, else None."""
     try:
         import yaml
-
-        from orchestrator.inventory_file import read_inventory
 
         raw = yaml.load(read_inventory(inventory)[0], Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         if target is None:
@@ -116,4 +200,4 @@ def _host_key(inventory: str | None, target: str | None, experiment: str | None)
         return None
     if key.port is not None and (not isinstance(key.port, int) or isinstance(key.port, bool)):
         return None
-    return key
+    return key, target, spec, host

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.errors import AgentError, RemoteCommandError
 from orchestrator.agent import events
-from orchestrator.transport.base import Result, Transport
+from orchestrator.transport.base import Result, Started, Transport
 
 EventCallback = Callable[[events.Event], None]
 
@@ -210,6 +210,9 @@ class ContainerTarget(BaseTarget):
 
     home: str = "/root"
     pushes: int = 0  # agent calls that carried the bundle inline (tests and benchmarks)
+    # An agent call started before the request was ready (start_agent, by orchestrator.preconnect): the next
+    # agent call with exactly its argv finishes it instead of starting its own.
+    started: Started | None = field(default=None, repr=False)
 
     def env(self) -> dict[str, str]:
         return {"HOME": self.home, "PATH": CONTAINER_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
@@ -356,10 +359,45 @@ class ContainerTarget(BaseTarget):
     def _exec_agent(self, verb, payload, stream, timeout, bundle):
         stdin = payload if bundle is None else bundle.data + payload
         argv = self.agent_argv(verb, inline=0 if bundle is None else len(bundle.data))
+        started = self._take_started(argv)
+        if started is not None:
+            return self.transport.finish(started, stdin=stdin, timeout=timeout, on_stdout=stream.feed)
         return self.transport.run(argv, stdin=stdin, timeout=timeout, on_stdout=stream.feed)
+
+    def start_agent(self, verb: str) -> Started:
+        """Start the agent for `verb` now and return at once; the request follows when the next agent call
+        (set `started` to the result) finishes it: the container enters pct, starts Python and imports the
+        verb while the workstation still builds the request. Still one exec per agent call; the bundle rides
+        inline exactly when agent() would send it.
+
+        Raises:
+            ConnectError: the command could not be started.
+        """
+        from orchestrator.bundle import build_bundle
+
+        bundle = build_bundle()
+        inline = 0 if self._bundle_known(bundle.hash) else len(bundle.data)
+        return self.transport.start(self.agent_argv(verb, inline=inline))
+
+    def _take_started(self, argv: list[str]) -> Started | None:
+        """The early agent call when it runs exactly `argv` in this container; otherwise it is dropped (it
+        reads end-of-file instead of a request and runs nothing) and None is returned."""
+        started, self.started = self.started, None
+        if started is None:
+            return None
+        if started.argv == self.transport.exec_argv(argv):
+            return started
+        self.transport.discard(started)
+        return None
 
     def run(self, argv: list[str], **kw) -> Result:
         return self.transport.run(self.wrap(list(argv)), **kw)
+
+    def close(self) -> None:
+        if self.started is not None:  # started early, never used
+            started, self.started = self.started, None
+            self.transport.discard(started)
+        self.transport.close()
 
 
 # ------------------------------------------------------------------------------------ factory
@@ -398,7 +436,10 @@ def open_target(inv, name: str, early=None) -> BaseTarget:
             from orchestrator.preconnect import HostKey
 
             ssh = early.take(HostKey.of(spec.host, host))
-        return container_target(name, spec, host, ssh or ssh_transport(host, spec.host))
+        target = container_target(name, spec, host, ssh or ssh_transport(host, spec.host))
+        if ssh is not None:
+            target.started = early.take_agent()  # used only if it runs exactly what the next agent call would
+        return target
 
     workdir = spec.resolved_workdir()
     try:

@@ -29,7 +29,8 @@ def launch_cmd(
     from orchestrator import preconnect
 
     inventory = options.options(ctx).inventory
-    early = preconnect.start(inventory, target, experiment)  # connects while the inventory is validated
+    # Connects, and starts the launch's one agent call, while the inventory is validated.
+    early = preconnect.start(inventory, target, experiment, verb="launch")
     try:
         from orchestrator.ops.launch import launch_experiment
         from orchestrator.render import EventPrinter

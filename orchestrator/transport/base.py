@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from orchestrator.errors import RemoteCommandError
 
@@ -53,6 +53,16 @@ class Result:
         if self.exit_code != 0:
             raise RemoteCommandError(f"{what} failed with exit code {self.exit_code} on {self.where}", result=self)
         return self
+
+
+@dataclass
+class Started:
+    """A command a transport's `start` began, its stdin still open; the same transport's `finish` completes it
+    (feeds stdin, streams the output, returns the Result) and `discard` drops it unfinished."""
+
+    argv: list[str]
+    handle: Any = field(repr=False)  # the transport's own: an SSH channel, or the parent's Started
+    at: float = 0.0  # time.monotonic() when it was started
 
 
 class Transport(Protocol):

@@ -15,7 +15,7 @@ import shlex
 from collections.abc import Callable, Sequence
 
 from orchestrator.errors import ContainerMissing, ContainerStopped, PctError, PctNotFound, SudoRequired, UserError
-from orchestrator.transport.base import Result, StreamCallback, Transport
+from orchestrator.transport.base import Result, Started, StreamCallback, Transport
 
 # Exact texts from pve-container (pct.pm, AbstractConfig.pm) and the host shells / sudo.
 STOPPED_RE = re.compile(r"(?m)^container '(\d+)' not running!\s*$")
@@ -184,13 +184,48 @@ class PctTransport:
             ContainerStopped, ContainerMissing, PctNotFound, SudoRequired: pct could not run it.
             ConnectError, CommandTimeout: from the parent transport.
         """
-        res = self.parent.run(pct_exec_argv(self.ctid, argv, self.pct, self.sudo), stdin=stdin, timeout=timeout,
-                              on_stdout=on_stdout, on_stderr=on_stderr)
+        return self._checked(self.parent.run(self.exec_argv(argv), stdin=stdin,
+                                              timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr))
+
+    def start(self, argv: Sequence[str]) -> Started:
+        """Start argv in the container (one `pct exec` on the host), its stdin still open: `finish` completes
+        it. The parent must start commands too (an SSHTransport does). The Started's argv is the host's
+        (exec_argv), so a caller can tell which container and command it is.
+
+        Raises:
+            ConnectError: from the parent transport.
+        """
+        host_argv = self.exec_argv(argv)
+        return Started(host_argv, self.parent.start(host_argv))
+
+    def exec_argv(self, argv: Sequence[str]) -> list[str]:
+        """The host argv that runs `argv` in this container (`[sudo -n] pct exec CTID --keep-env 0 -- argv`)."""
+        return pct_exec_argv(self.ctid, argv, self.pct, self.sudo)
+
+    def finish(
+        self,
+        started: Started,
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        on_stdout: StreamCallback | None = None,
+        on_stderr: StreamCallback | None = None,
+    ) -> Result:
+        """Complete a started command (as run: its Result, or the typed PctError)."""
+        return self._checked(self.parent.finish(started.handle, stdin=stdin, timeout=timeout, on_stdout=on_stdout,
+                                                on_stderr=on_stderr))
+
+    def _checked(self, res: Result) -> Result:
+        """The Result of a `pct exec`, or the typed PctError when pct itself failed."""
         res.where = self.name
         err = classify(res, self.ctid, self.host, self.pct, self.sudo, self.host_command_line)
         if err is not None:
             raise err
         return res
+
+    def discard(self, started: Started) -> None:
+        """Drop a started command unfinished (it reads end-of-file on stdin)."""
+        self.parent.discard(started.handle)
 
     def host_command_line(self, argv: Sequence[str]) -> str:
         """A host argv as the user pastes it: through the parent (`ssh ...`), or bare on the host itself."""

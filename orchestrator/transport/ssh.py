@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from orchestrator.errors import ConnectError, HostKeyError
 from orchestrator.names import is_ssh_word
-from orchestrator.transport.base import CommandTimeout, Result, StreamCallback
+from orchestrator.transport.base import CommandTimeout, Result, Started, StreamCallback
 from orchestrator.quoting import render
 
 # paramiko logs handshake failures at ERROR; without a handler Python prints them on stderr next to
@@ -37,6 +37,13 @@ _TAIL = 16384
 NO_EXIT_STATUS = 255
 # After both streams hit EOF the exit status is normally already there; wait at most this long for it.
 EXIT_STATUS_GRACE_S = 30.0
+
+
+def import_ssh_stack() -> None:
+    """Import what opening a connection needs (fabric, paramiko, host keys), e.g. on a thread started early."""
+    import fabric  # noqa: F401
+
+    from orchestrator.transport import hostkeys  # noqa: F401
 
 
 def openssh_argv(
@@ -301,21 +308,43 @@ class SSHTransport:
         Args/Raises: as Transport.run. The exit code is the command's; 255 when the server sent none
         (the process was killed by a signal), as OpenSSH's client reports it.
         """
+        return self.finish(self.start(argv), stdin=stdin, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr)
+
+    def start(self, argv: Sequence[str]) -> Started:
+        """Start argv on the host and return at once, its stdin still open: `finish` feeds it and waits.
+        What the command writes meanwhile waits in the channel's window.
+
+        Raises:
+            ConnectError, HostKeyError: as for run.
+        """
         argv = list(argv)
-        command = render(argv)
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
+        at = time.monotonic()
         chan = self._open_channel()
         self.calls += 1
         try:
-            chan.exec_command(command)
+            chan.exec_command(render(argv))
         except Exception as exc:
             chan.close()
             raise ConnectError(f"cannot start a command on {self.label}: {exc}") from exc
+        return Started(argv, chan, at)
+
+    def finish(
+        self,
+        started: Started,
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        on_stdout: StreamCallback | None = None,
+        on_stderr: StreamCallback | None = None,
+    ) -> Result:
+        """Feed a started command its stdin, stream its output, wait for its exit status (as run; the
+        timeout counts from now)."""
+        chan, argv = started.handle, started.argv
+        deadline = None if timeout is None else time.monotonic() + timeout
         io = _ChannelIO(chan, stdin, on_stdout, on_stderr)
 
         def result(code: int) -> Result:
-            return Result(argv, code, b"".join(io.out), b"".join(io.err), self.name, time.monotonic() - start,
+            return Result(argv, code, b"".join(io.out), b"".join(io.err), self.name, time.monotonic() - started.at,
                           bytes(io.err_tail))
 
         try:
@@ -328,6 +357,12 @@ class SSHTransport:
             io.feeder.join(1)
         chan.close()
         return result(self._final_code(io, chan, code))
+
+    @staticmethod
+    def discard(started: Started) -> None:
+        """Drop a started command that will not be finished: its channel is closed, so it reads end-of-file
+        on stdin (the agent then runs nothing)."""
+        started.handle.close()
 
     def _wait_output(self, io: "_ChannelIO", deadline: float | None, timeout: float | None, result) -> None:
         """Until both streams are at EOF; past the deadline the channel is closed and CommandTimeout raised."""

@@ -4,6 +4,7 @@ taken by open_target only for exactly the host it was made for, its errors raise
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,10 @@ from orchestrator.preconnect import HostKey
 from orchestrator.target import open_target
 
 
-def write_inv(tmp_path: Path, host: dict, ctid: int = 990) -> Path:
+def write_inv(tmp_path: Path, host: dict, ctid: int = 990, workdir: str = "/root/dflash") -> Path:
     inv = {
         "hosts": {"pve": host},
-        "targets": {"ct": {"kind": "container", "host": "pve", "ctid": ctid, "workdir": "/root/dflash", "venv": "sys"},
+        "targets": {"ct": {"kind": "container", "host": "pve", "ctid": ctid, "workdir": workdir, "venv": "sys"},
                     "here": {"kind": "local", "workdir": str(tmp_path / "work")}},
         "venvs": {"sys": {"kind": "system"}},
         "experiments": {"e": {"kind": "command", "target": "ct", "command": ["true"]},
@@ -91,3 +92,52 @@ def test_status_of_a_container_named_on_the_command_line_connects_early(fake_pve
     with pytest.raises(SystemExit):
         main(["-i", str(path), "status", "--target", "ct"])
     assert seen == [("ct", True)]
+
+
+def wait_for_execs(pve, ctid: int, n: int, timeout: float = 60) -> None:
+    """Until the fake host has logged `n` pct exec calls into `ctid` (pct logs a call when it starts)."""
+    deadline = time.monotonic() + timeout
+    while len(pve.pct_exec_calls(ctid)) < n:
+        assert time.monotonic() < deadline, f"no pct exec into {ctid} within {timeout} s: {pve.pct_calls()}"
+        time.sleep(0.05)
+
+
+def test_a_launch_starts_its_agent_call_before_the_inventory_is_validated_and_finishes_it(pve, tmp_path):
+    """The early agent call is THE launch's one pct exec: started from the raw inventory, it waits for the
+    request, which the launch then sends to it."""
+    from orchestrator.ops.launch import launch_experiment
+
+    ct = pve.create_container(993, gpus=0)
+    path = write_inv(tmp_path, pve.host_entry(), ctid=993, workdir=ct.workdir)
+    try:
+        early = preconnect.start(str(path), None, "e", verb="launch")
+        wait_for_execs(pve, 993, 1)  # in the container already; nothing validated, no request built yet
+        res = launch_experiment(load_inventory(path), "e", early=early, record=False)
+        early.close()
+        assert len(pve.pct_exec_calls(993)) == 1
+        exit_json = Path(res.run_dir) / "exit.json"
+        deadline = time.monotonic() + 60
+        while not exit_json.exists():
+            assert time.monotonic() < deadline, "the launched run did not end"
+            time.sleep(0.1)
+        assert json.loads(exit_json.read_text())["exit_code"] == 0
+    finally:
+        pve.remove_container(993)
+
+
+def test_an_early_agent_call_the_command_does_not_make_is_dropped_and_runs_nothing(pve, tmp_path):
+    ct = pve.create_container(994, gpus=0)
+    path = write_inv(tmp_path, pve.host_entry(), ctid=994, workdir=ct.workdir)
+    try:
+        early = preconnect.start(str(path), "ct", verb="launch")
+        wait_for_execs(pve, 994, 1)
+        tgt = open_target(load_inventory(path), "ct", early)
+        assert tgt.agent("echo", {"x": "[y]"})["request"]["x"] == "[y]"  # another verb: its own exec, the started one dropped
+        tgt.close()
+        early = preconnect.start(str(path), "ct", verb="launch")
+        wait_for_execs(pve, 994, 3)
+        early.close()  # the command ended before it needed the target (e.g. a bad inventory)
+        assert len(pve.pct_exec_calls(994)) == 3
+        assert not (Path(ct.workdir) / "runs").exists() and not (Path(ct.workdir) / "locks").exists()
+    finally:
+        pve.remove_container(994)
