@@ -151,7 +151,8 @@ class EarlyConnection:
 def start(inventory: str | None, target: str | None, experiment: str | None = None,
           verb: str | None = None) -> EarlyConnection | None:
     """Start connecting to the host of `target` (else the experiment's target) when it is a container; with
-    `verb`, also start that agent call in the container once connected.
+    `verb`, also start that agent call in the container once connected. Returns once the thread has done
+    its CPU work (imports, the bundle's hash), before it waits on the network.
 
     Returns None when the raw inventory names no such container target, or cannot be read: the command
     then connects as usual and validation reports any problem.

@@ -415,7 +415,8 @@ def open_target(inv, name: str, early=None) -> BaseTarget:
         inv: an `orchestrator.inventory.Inventory`.
         name: the target's key under `targets:`.
         early: an orchestrator.preconnect.EarlyConnection started by the command, or None; its connection
-            is used when it was made for this target's host exactly as the inventory says.
+            is used when it was made for this target's host exactly as the inventory says, and the agent
+            call it started (if any) becomes the target's `started`.
     Returns:
         A LocalTarget or ContainerTarget (close it when done: it may hold an SSH connection).
     Raises:

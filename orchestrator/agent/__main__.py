@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         emit.error("ModuleNotFoundError", f"agent verb {argv[0]!r} cannot import {exc.name!r}: {exc}")
         return 1
     raw = sys.stdin.read()
+    if not raw.strip():  # Target.agent always sends one; none: a call started early and dropped (preconnect)
+        emit.error("NoRequest", f"agent {argv[0]!r} got no request on stdin: nothing done")
+        return 2
     try:
-        request = json.loads(raw) if raw.strip() else {}
+        request = json.loads(raw)
         if not isinstance(request, dict):
             raise ValueError("request must be a JSON object")
     except ValueError as exc:

@@ -16,8 +16,9 @@ def status_cmd(
     """Container state, GPUs (used/total MiB), tmux sessions and runs with their state."""
     from orchestrator import preconnect
 
-    # Only a target named here can connect early: the default comes from the validated inventory.
-    early = preconnect.start(options.options(ctx).inventory, target) if target else None
+    # Only a target named here can connect (and start the status call) early: the default comes from the
+    # validated inventory.
+    early = preconnect.start(options.options(ctx).inventory, target, verb="status") if target else None
     try:
         from orchestrator.ops.status import status_of
 

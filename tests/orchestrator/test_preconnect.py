@@ -85,13 +85,14 @@ def test_status_of_a_container_named_on_the_command_line_connects_early(fake_pve
     seen = []
 
     def fake_status_of(inv, target, *, limit=20, early=None):
-        seen.append((target, early is not None and early.key == HostKey.of("pve", inv.host("pve"))))
+        seen.append((target, early is not None and early.key == HostKey.of("pve", inv.host("pve")),
+                     early.agent.verb if early is not None and early.agent is not None else None))
         raise SystemExit(0)
 
     monkeypatch.setattr(status_ops, "status_of", fake_status_of)
     with pytest.raises(SystemExit):
         main(["-i", str(path), "status", "--target", "ct"])
-    assert seen == [("ct", True)]
+    assert seen == [("ct", True, "status")]  # and its one agent call started early too
 
 
 def wait_for_execs(pve, ctid: int, n: int, timeout: float = 60) -> None:

@@ -57,3 +57,12 @@ def test_launch_imports_everything_it_uses_before_it_reads_the_request(tmp_path)
     got = late_imports("launch", {"workdir": str(workdir), **request})
     assert got["rc"] == 0, got["stdout"][-2000:]  # the dry run's checks (tmux session, venv) really ran
     assert got["late"] == []
+
+
+def test_no_request_on_stdin_runs_nothing(tmp_path):
+    """What a call started early and then dropped reads: end-of-file. The verb must not run on defaults."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.agent", "echo"], input="", capture_output=True,
+                          text=True, env=env, timeout=60)
+    last = json.loads(proc.stdout.splitlines()[-1])
+    assert proc.returncode == 2 and last["event"] == "error" and last["type"] == "NoRequest", proc.stdout
