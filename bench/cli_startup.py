@@ -71,7 +71,8 @@ def main() -> int:
     med = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
     base = med["python -c pass"]
-    print(f"{args.repeats} runs each (median wall time; CPU time user + system)")
+    print(f"{args.repeats} runs each (median wall time; CPU time user + system); load average "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     for name, t in med.items():
         extra = "" if name == "python -c pass" else f"   (+{t - base:.3f} s over the bare interpreter)"
         print(f"  {name:<24}: {t:.3f} s, CPU {cpu[name]:.3f} s{extra}")

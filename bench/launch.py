@@ -5,7 +5,8 @@ done by hand as separate `ssh HOST pct exec CT -- ...` calls, and against the fl
     python bench/launch.py [--repeats 5] [--pct-delay 0.3]
 
 command     the installed `dflashctl` console script, `dflashctl -i INV launch bench --tag rN`, in a new
-            process: imports, inventory, SSH connection, the agent call and the printed result.
+            process: imports, inventory, SSH connection, the agent call and the printed result (the
+            connection and the agent's pct exec start from the raw inventory while it is validated).
 ops.launch  the same launch in this process over a fresh SSH connection (no imports, no inventory): ONE
             agent call does preflight (session, GPUs, venv), the run directory and `tmux new-session`.
 bare exec   OpenSSH client, one `pct exec CT -- true`: what any command into the container costs at least.
@@ -149,6 +150,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--pct-delay", type=float, default=0.3, help="seconds each pct call sleeps (Perl start-up)")
     args = ap.parse_args()
+    load_before = os.getloadavg()  # the machine may be shared: every figure below depends on it
     times: dict[str, list[float]] = {"command": [], "ops": [], "hand": [], "bare": []}
     calls: dict[str, set[int]] = {"command": set(), "ops": set(), "hand": set()}
     with FakePVE() as pve, tempfile.TemporaryDirectory() as tmp:
@@ -175,7 +177,8 @@ def main() -> int:
         pve.remove_container(CTID)
 
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"pct delay {args.pct_delay:.2f} s, {args.repeats} runs each (median wall time)")
+    print(f"pct delay {args.pct_delay:.2f} s, {args.repeats} runs each (median wall time); load average "
+          f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs")
     print(f"  first agent call (bundle push included, untimed above): {first:.2f} s")
     print(f"  dflashctl launch (console script): {med['command']:.2f} s   pct exec calls: {sorted(calls['command'])}")
     print(f"  ops.launch in-process            : {med['ops']:.2f} s   pct exec calls: {sorted(calls['ops'])}")
