@@ -27,7 +27,6 @@ from orchestrator.agent.protocol import AgentFailure
 
 CLAIMS_NAME = "gpus.json"
 MUTEX_NAME = "gpus.lock"
-DEFAULT_WAIT_S = 5.0
 _POLL_S = 0.1
 
 
@@ -141,7 +140,7 @@ def refusal(conflicts: dict[int, dict], waited: float = 0.0) -> AgentFailure:
     )
 
 
-def claim(workdir: str | Path, gpus: list[int], holder: dict, emit, wait_s: float = DEFAULT_WAIT_S) -> str:
+def claim(workdir: str | Path, gpus: list[int], holder: dict, emit, wait_s: float) -> str:
     """Claim every GPU of `gpus` for a launch (phase "launch"), all or none.
 
     A GPU held by another launch still in its preflight is waited for, up to `wait_s` seconds (its launch may

@@ -1,35 +1,38 @@
-"""The launch's preflight: each check a launch makes before it changes anything, and the plan of a launch.
+"""The launch's preflight: every decision a launch makes, made read-only, as a LaunchPlan, and the checks of
+the machine it runs on.
 
-`plan` is what `launch --dry-run` returns: every check, read-only (a live session refused unless --replace,
-the resume source, the driver, GPU claims and use, the venv against the lock), and what would be stopped,
-written and started (LaunchPlan). The launch verb runs the same checks in its own order, under the
-experiment's lock, around the steps that change things (stop the replaced run, claim GPUs).
+`plan` decides what the launch stops, writes and starts (the session it finds: refused when live unless
+--replace; the resume source; the GPUs; the run id and directory; the config, the command and its
+environment; the warm-up targets; the tmux command line). `checks` then checks the machine in the launch's
+order: the NVIDIA driver, the GPUs (claimed and idle: the launch waits for another launch's claim, a dry run
+does not), the venv against the lock. `launch --dry-run` returns the plan after its checks; the launch verb
+executes the very same plan under the experiment's lock (orchestrator.agent.verbs.launch), so a dry run shows
+exactly what the launch would do.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # driver and venvinfo too, though only a run on GPUs and a venv check use them: the agent imports its verb
 # before it reads the request, so their import is not on a launch's path once the request is there.
 from orchestrator.agent import claims, driver, gpu, resume, runs, tmuxctl, venvinfo
 from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.requests import LaunchAnswer, LaunchRequest
 from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, build_command, run_config
 from orchestrator.quoting import render
 
 
 def check_session(name: str, experiment: str, replace: bool) -> dict | None:
-    """Refuse (or mark for replacement) a live session of this experiment; clear a dead one.
+    """The tmux session of this experiment (tmuxctl.find_session), or None; a live one is refused unless
+    --replace.
 
-    Returns the live session to replace, or None.
+    Raises:
+        AgentFailure("SessionExists"): a live session and no --replace, naming its run and the two ways out.
     """
     s = tmuxctl.find_session(name)
-    if s is None:
-        return None
-    if s["dead"]:
-        return {**s, "dead_only": True}
-    if not replace:
+    if s is not None and not s["dead"] and not replace:
         rid = s.get("run_id") or "unknown"
         raise AgentFailure(
             "SessionExists",
@@ -40,34 +43,34 @@ def check_session(name: str, experiment: str, replace: bool) -> dict | None:
     return s
 
 
-def check_driver(workdir: str, request: dict, gpus: list[int], emit) -> None:
+def check_driver(req: LaunchRequest, gpus: list[int], emit) -> None:
     """A run on GPUs: the NVIDIA driver must run the venv's torch, and its libraries must match the kernel
     module (checked before the GPU query, which a library mismatch would only report as unreadable)."""
     if not gpus:
         return
-    profile = request.get("venv_profile") or {}
-    torch = driver.venv_torch(workdir, profile)
+    profile = req.venv_profile or {}
+    torch = driver.venv_torch(req.workdir, profile)
     info = driver.probe()
     problems = driver.check(torch.get("cuda"), info, torch.get("torch"))
     if problems:
         p = problems[0]
-        fix = p.fix(lock=driver.profile_lock(profile), target=request.get("target"))
+        fix = p.fix(lock=driver.profile_lock(profile), target=req.target)
         raise AgentFailure(p.type, p.message, fix=fix, data={**p.data, "gpus": gpus})
     emit.progress("driver", driver.describe_ok(torch.get("torch"), torch.get("cuda"), info), driver=info.driver)
 
 
-def check_venv(workdir: str, request: dict, emit) -> dict:
+def check_venv(req: LaunchRequest, emit) -> dict:
     """The venv fingerprint, refused when it differs from the experiment's lock."""
-    profile = request.get("venv_profile") or {}
-    actual = venvinfo.current_fingerprint(workdir, profile)
-    diff = venvinfo.fingerprint_diff(actual, request.get("lock_hash"), profile)
+    profile = req.venv_profile or {}
+    actual = venvinfo.current_fingerprint(req.workdir, profile)
+    diff = venvinfo.fingerprint_diff(actual, req.lock_hash, profile)
     if diff:
         raise AgentFailure(
             "VenvMismatch",
             "the venv does not match the experiment's lock: " + "; ".join(diff[:12])
             + (f" (and {len(diff) - 12} more)" if len(diff) > 12 else ""),
             # --profile: the experiment's profile may not be its target's default, which a bare rebuild builds
-            fix="dflashctl rebuild-venv" + (f" --target {request['target']}" if request.get("target") else "")
+            fix="dflashctl rebuild-venv" + (f" --target {req.target}" if req.target else "")
             + (f" --profile {profile['name']}" if profile.get("name") else ""),
             data={"differences": diff},
         )
@@ -75,13 +78,11 @@ def check_venv(workdir: str, request: dict, emit) -> dict:
     return actual
 
 
-def resume_source(workdir: str, request: dict, emit) -> resume.ResumeSource | None:
+def resume_source(req: LaunchRequest, emit) -> resume.ResumeSource | None:
     """The run to continue (checked), or None; announces what the new run starts from."""
-    rid = request.get("resume")
-    if not rid:
+    if not req.resume:
         return None
-    src = resume.find_source(workdir, str(rid), request["experiment"], str(request.get("kind")),
-                             need_checkpoint=holds_checkpoints(request))
+    src = resume.find_source(req.workdir, req.resume, req.experiment, req.kind, need_checkpoint=holds_checkpoints(req))
     if src.step is not None:
         emit.progress("resume", f"continuing run {src.run_id} from its checkpoint at step {src.step}",
                       resumed_from=src.run_id, checkpoint_step=src.step)
@@ -91,22 +92,21 @@ def resume_source(workdir: str, request: dict, emit) -> resume.ResumeSource | No
     return src
 
 
-def holds_checkpoints(request: dict) -> bool:
+def holds_checkpoints(req: LaunchRequest) -> bool:
     """Whether this node's run directory holds the run's checkpoints: the node of the first drafter rank (the
     one that saves), i.e. the first node with drafters; on one node, always."""
-    node = request.get("node")
-    if not node:
+    if not req.node:
         return True
-    nodes = ((request.get("config") or {}).get("layout") or {}).get("nodes") or []
+    nodes = ((req.config or {}).get("layout") or {}).get("nodes") or []
     first = next((i for i, n in enumerate(nodes) if n.get("drafter_gpus") or n.get("num_drafter_procs")), 0)
-    return int(node.get("index", 0)) == first
+    return int(req.node.get("index", 0)) == first
 
 
-def run_gpus(request: dict, src: resume.ResumeSource | None, emit) -> list[int]:
+def run_gpus(req: LaunchRequest, src: resume.ResumeSource | None, emit) -> list[int]:
     """The GPUs the run occupies: the experiment's, or for a resumed dflash run its old config's layout (the
     trainer refuses another number of drafters, and those are the GPUs the copied config names)."""
-    gpus = [int(g) for g in request.get("gpus") or []]
-    if src is not None and src.config is not None and not request.get("node"):  # across nodes: this node's
+    gpus = list(req.gpus)
+    if src is not None and src.config is not None and not req.node:  # across nodes: this node's
         old = resume.layout_gpus(src.config)
         if old != gpus:
             emit.progress("resume", f"the resumed config's layout uses GPUs {old} (the inventory now says {gpus})")
@@ -114,101 +114,163 @@ def run_gpus(request: dict, src: resume.ResumeSource | None, emit) -> list[int]:
     return gpus
 
 
+def warmup_targets(layout: dict, config: dict) -> tuple[list[int | None], str | None]:
+    """What launch warms up: each drafter GPU; a CPU split layout with compile on: the CPU once.
+
+    Returns:
+        (targets, None) or ([], the reason it is skipped). The colocated loop compiles nothing ahead.
+    """
+    drafters = [int(g) for g in (layout or {}).get("drafter_gpus") or []]
+    if drafters:
+        return drafters, None
+    lay = config.get("layout") or {}
+    if lay.get("num_drafter_procs") and (config.get("compile") or {}).get("enabled"):
+        return [None], None
+    return [], "no drafter GPUs and nothing compiled ahead on the CPU (compile.enabled is off, or colocated)"
+
+
+def describe_layout(gpus: list[int], layout: dict, node: dict | None = None) -> str:
+    """The `layout` progress line: which processes run where."""
+    if node and layout.get("nodes"):
+        n = layout["nodes"][int(node["index"])]
+        return (f"node {node['index']} of {node['count']} (rendezvous {layout.get('rendezvous')}): "
+                + describe_layout(gpus, {k: v for k, v in n.items() if k != "name"}))
+    t, d = layout.get("target_gpus") or [], layout.get("drafter_gpus") or []
+    if t or d:
+        return f"{len(t)} target process(es) on GPUs {t}, {len(d)} drafter process(es) on GPUs {d}: one process per GPU"
+    if layout.get("num_target_procs"):
+        return (f"{layout['num_target_procs']} target + {layout.get('num_drafter_procs')} drafter process(es) "
+                "on the CPU (gloo)")
+    return "colocated: target and drafter in one CPU process"
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What a launch would do: the run, what it stops, the files it writes and the session it starts."""
+    """What a launch does: the session it finds (and stops or clears), the run it makes, the files it writes,
+    the warm-up and the session it starts. Made by `plan`; executed by the launch verb; shown by --dry-run."""
 
     run_id: str
     run_dir: Path
     session: str
-    argv: list[str]
+    old_session: dict | None
+    """The experiment's session found (tmuxctl.find_session): a finished one is cleared, a live one stopped."""
     gpus: list[int]
-    would_stop: str | None
+    argv: list[str]
+    extra: dict[str, str]
+    """The run's own environment, on top of the agent's (runcommand.build_command)."""
+    config: dict | None
+    """kind dflash: config.json as it is written."""
     resume: resume.ResumeSource | None
-    fingerprint: dict
     bundle_hash: str | None
-    files: list[str]
-    env: dict[str, str]
-    """The run's own variables the plan shows (CUDA_VISIBLE_DEVICES, the compile cache, the resume dir)."""
-    env_keys: list[str]
     gpu_idle_mib: int
-    extra: dict = field(default_factory=dict, repr=False)
+    layout: dict | None
+    """The layout run.json records: the config's (kind dflash), the request's (kind command)."""
+    warmup: list[int | None]
+    """The devices warmed up before the session starts (None: the CPU), in order."""
+    warmup_skipped: str | None
+    """Why nothing is warmed up (kind dflash), or None."""
+
+    @property
+    def replaces(self) -> str | None:
+        """The run id of the live run this launch stops (--replace), or None."""
+        old = self.old_session
+        return old.get("run_id") if old is not None and not old["dead"] else None
+
+    @property
+    def would_stop(self) -> str | None:
+        """The live run (or, without a run id, the session) this launch stops, or None."""
+        old = self.old_session
+        return None if old is None or old["dead"] else (old.get("run_id") or self.session)
+
+    @property
+    def command_line(self) -> str:
+        """What the session runs: start_training.sh around the command (one rendered shell line)."""
+        return render(["bash", str(self.run_dir / SCRIPT_NAME), str(self.run_dir), "--", *self.argv])
 
     @property
     def tmux(self) -> list[str]:
-        script = self.run_dir / SCRIPT_NAME
-        return ["tmux", "new-session", "-d", "-s", self.session,
-                render(["bash", str(script), str(self.run_dir), "--", *self.argv])]
+        return ["tmux", "new-session", "-d", "-s", self.session, self.command_line]
 
-    def to_json(self) -> dict:
-        """The dry run's result (what `dflashctl launch --dry-run` prints)."""
+    @property
+    def files(self) -> list[str]:
+        names = ("run.json", "config.json", SCRIPT_NAME, ENV_FILE) if self.config is not None else (
+            "run.json", SCRIPT_NAME, ENV_FILE)
+        return [str(self.run_dir / n) for n in names]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The run's own variables the dry run shows (CUDA_VISIBLE_DEVICES, the compile cache, the resume dir)."""
+        shown = ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR", resume.RESUME_ENV)
+        return {k: v for k, v in self.extra.items() if k in shown}
+
+    def answer(self, *, dry_run: bool, fingerprint: dict, gpus_seen: list | None = None) -> LaunchAnswer:
+        """The launch's result for this plan: what a dry run returns (with the plan's details), and what the
+        launch returns once it has executed the plan (with the GPUs it saw); `fingerprint`: the venv's."""
         src = self.resume
-        return {
-            "run_id": self.run_id,
-            "run_dir": str(self.run_dir),
-            "session": self.session,
-            "command": self.argv,
-            "gpus": self.gpus,
-            "replaced": self.would_stop,
-            "resumed_from": None if src is None else src.run_id,
-            "dry_run": True,
-            "env_fingerprint": self.fingerprint,
-            "bundle_hash": self.bundle_hash,
-            "plan": {
-                "would_stop": self.would_stop,
-                "resume": None if src is None else {"run_id": src.run_id, "step": src.step},
-                "files": self.files,
-                "env": self.env,
-                "env_keys": self.env_keys,
-                "tmux": self.tmux,
-                "gpu_idle_mib": self.gpu_idle_mib,
-            },
+        detail = None if not dry_run else {
+            "would_stop": self.would_stop,
+            "resume": None if src is None else {"run_id": src.run_id, "step": src.step},
+            "files": self.files, "env": self.env, "env_keys": sorted(self.extra), "tmux": self.tmux,
+            "gpu_idle_mib": self.gpu_idle_mib, "warmup": self.warmup,
         }
+        return LaunchAnswer(
+            run_id=self.run_id, run_dir=str(self.run_dir), session=self.session, command=self.argv, gpus=self.gpus,
+            replaced=self.would_stop if dry_run else self.replaces, resumed_from=None if src is None else src.run_id,
+            dry_run=dry_run, config=self.config, env_fingerprint=fingerprint, bundle_hash=self.bundle_hash,
+            gpus_seen=gpus_seen or [], plan=detail,
+        )
 
 
-def plan(request: dict, workdir: str, run_id: str, session: str, threshold: int, replace: bool, emit) -> LaunchPlan:
-    """--dry-run: every check of a launch, read-only, and what it would stop, write and start.
+def plan(req: LaunchRequest, emit) -> LaunchPlan:
+    """Every decision of the launch `req` asks for, read-only: nothing is written, stopped or started.
 
     Raises:
-        AgentFailure: each refusal the launch itself would make (SessionExists, GpuClaimed without waiting,
-            GpuBusy, DriverTooOld, VenvMismatch, ResumeNotFound, ...).
+        AgentFailure: the refusals a launch makes before it changes anything (BadName, BadRunId,
+            SessionExists, ResumeNotFound, ResumeMismatch, NothingToResume, BadRequest, ...).
     """
-    would_stop = _would_stop(session, request["experiment"], replace, emit)
-    src = resume_source(workdir, request, emit)
-    gpus = run_gpus(request, src, emit)
-    check_driver(workdir, request, gpus, emit)
-    if would_stop is None:
-        taken = claims.held(workdir, gpus)
-        if taken:
-            raise claims.refusal(taken)  # as the real launch would after its wait, without waiting
-        gpu.preflight_gpus(gpus, threshold)
-    fingerprint = check_venv(workdir, request, emit)
-    run_dir = runs.runs_root(workdir) / run_id
-    request = {**request, "gpus": gpus}
-    dflash = request.get("kind") == "dflash"
-    config = run_config(request, workdir, run_dir, src, create=False) if dflash else None
+    session = tmuxctl.session_name(runs.check_name("experiment", req.experiment))
+    old = check_session(session, req.experiment, req.replace)
+    src = resume_source(req, emit)
+    gpus = run_gpus(req, src, emit)
+    run_id = runs.free_run_id(req.workdir, runs.check_run_id(req.run_id))
+    run_dir = runs.runs_root(req.workdir) / run_id
+    dflash = req.kind == "dflash"
+    config = run_config(req, run_dir, src) if dflash else None
     resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
-    argv, extra = build_command(request, run_dir, config, resume_dir)
+    argv, extra = build_command(req, gpus, run_dir, config, resume_dir)
+    # Across nodes the request's layout is this node's GPUs; on one node, the config's.
+    warm_layout = (req.layout if req.node else (config or {}).get("layout")) or {}
+    warmup, skipped = warmup_targets(warm_layout, config) if dflash else ([], None)
     return LaunchPlan(
-        run_id=run_id, run_dir=run_dir, session=session, argv=argv, gpus=gpus, would_stop=would_stop,
-        resume=src, fingerprint=fingerprint, bundle_hash=request.get("bundle_hash"),
-        files=[str(run_dir / n) for n in ("run.json", "config.json", SCRIPT_NAME, ENV_FILE)
-               if n != "config.json" or dflash],
-        env={k: v for k, v in extra.items()
-             if k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR", resume.RESUME_ENV)},
-        env_keys=sorted({*extra, *(request.get("env") or {})}),
-        gpu_idle_mib=threshold, extra=extra,
+        run_id=run_id, run_dir=run_dir, session=session, old_session=old, gpus=gpus, argv=argv, extra=extra,
+        config=config, resume=src, bundle_hash=req.bundle_hash,
+        gpu_idle_mib=req.gpu_idle_mib, layout=(config or {}).get("layout") if dflash else req.layout,
+        warmup=warmup, warmup_skipped=skipped,
     )
 
 
-def _would_stop(session: str, experiment: str, replace: bool, emit) -> str | None:
-    """The run (or session) a launch would stop: a live session of the experiment with --replace; without
-    it, SessionExists as the real launch raises. A finished session would just be cleared."""
-    old = tmuxctl.find_session(session)
-    if old is not None and not old["dead"]:
-        if not replace:
-            check_session(session, experiment, False)  # raises SessionExists like the real launch
-        return old.get("run_id") or session
-    if old is not None:
-        emit.progress("session", f"would clear the finished session {session}")
-    return None
+def checks(p: LaunchPlan, req: LaunchRequest, emit, gpus_free) -> tuple[dict, list[dict]]:
+    """The machine's checks, in the launch's order: the NVIDIA driver, the GPUs (`gpus_free()`: the launch's
+    idle check after its claim, or a dry run's `check_free`), the venv against the lock.
+
+    Returns:
+        (the venv's fingerprint, the GPUs as seen by the GPU check).
+    Raises:
+        AgentFailure: DriverTooOld, DriverLibraryMismatch, GpuClaimed, GpuBusy, VenvMismatch.
+    """
+    check_driver(req, p.gpus, emit)
+    seen = gpus_free()
+    return check_venv(req, emit), seen
+
+
+def check_free(p: LaunchPlan, workdir: str, emit) -> list[dict]:
+    """--dry-run: what the launch would wait for, checked now without waiting (GpuClaimed, GpuBusy): the
+    GPUs' claims and use, unless a live run is stopped first (it holds them until then)."""
+    if p.old_session is not None and p.old_session["dead"]:
+        emit.progress("session", f"would clear the finished session {p.session}")
+    if p.would_stop is not None:
+        return []
+    taken = claims.held(workdir, p.gpus)
+    if taken:
+        raise claims.refusal(taken)  # as the real launch would after its wait, without waiting
+    return gpu.preflight_gpus(p.gpus, p.gpu_idle_mib)

@@ -28,18 +28,6 @@ class AgentFailure(Exception):
         self.data = data or {}
 
 
-def need(request: dict, key: str, kind: type, verb: str):
-    """request[key] when it is a `kind`.
-
-    Raises:
-        AgentFailure("BadRequest"): naming the verb, the key, the type wanted and the value found.
-    """
-    value = request.get(key)
-    if not isinstance(value, kind):
-        raise AgentFailure("BadRequest", f"{verb} request: {key!r} must be {kind.__name__}, got {value!r}")
-    return value
-
-
 class Emitter:
     """Writes one JSON event per line (orchestrator.agent.events), flushed per line, safe to call from several
     threads."""

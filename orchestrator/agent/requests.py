@@ -16,6 +16,15 @@ from typing import Any, ClassVar
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.schema import schema_problem
 
+# The defaults of the protocol, in this one place: ops/ default their arguments to these, the agent reads the
+# request's values (its dataclass fills these in for a field the request leaves out).
+DEFAULT_GRACE_S = 20.0
+"""Seconds between SIGINT, SIGTERM and SIGKILL when a run is stopped."""
+DEFAULT_RELEASE_TIMEOUT_S = 120.0
+DEFAULT_CLAIM_WAIT_S = 5.0
+DEFAULT_GPU_IDLE_MIB = 1024
+"""A GPU using less memory than this (MiB) counts as idle."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Request:
@@ -60,10 +69,10 @@ class StatusRequest(Request):
 class StopRequest(Request):
     VERB: ClassVar[str] = "stop"
     run_id: str
-    grace_s: float = 20.0
+    grace_s: float = DEFAULT_GRACE_S
     gpus: list[int] = field(default_factory=list)
-    gpu_idle_mib: int = 1024
-    release_timeout_s: float = 120.0
+    gpu_idle_mib: int = DEFAULT_GPU_IDLE_MIB
+    release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S
     requested_by: dict | None = None
     lost_cause: dict | None = None
     """A run across targets whose node here vanished without exit.json: the run's root cause to record."""
@@ -119,43 +128,102 @@ class WarmupRequest(Request):
     experiment: str
     config: dict
     layout: dict | None = None
-    gpu_idle_mib: int = 1024
+    gpu_idle_mib: int = DEFAULT_GPU_IDLE_MIB
     device: str = "cuda"
-    claim_wait_s: float = 5.0
+    claim_wait_s: float = DEFAULT_CLAIM_WAIT_S
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchRequest(Request):
-    """See orchestrator/agent/verbs/launch.py for what each field does."""
+    """A launch (orchestrator/agent/verbs/launch.py); built by orchestrator/ops/launch.py, whose names the
+    workstation checked and the agent checks again."""
 
     VERB: ClassVar[str] = "launch"
     experiment: str
     run_id: str
+    """The run id the workstation made (orchestrator.names.run_id); a clash gets -2, -3, ... in the target."""
     kind: str
+    """"dflash" (the bundled trainer) or "command" (any argv)."""
     tag: str | None = None
     target: str | None = None
+    """The target's name, recorded and named in fixes."""
     command: list[str] | None = None
+    """kind command: the argv."""
     env: dict | None = None
+    """kind command: extra environment variables."""
     gpus: list[int] = field(default_factory=list)
+    """Every GPU the run occupies (checked idle, claimed; CUDA_VISIBLE_DEVICES for kind command)."""
     layout: dict | None = None
+    """The experiment's layout ({target_gpus, drafter_gpus}; across nodes: this node's)."""
     config: dict | None = None
-    gpu_idle_mib: int = 1024
+    """kind dflash: the resolved TrainConfig, layout section included."""
+    gpu_idle_mib: int = DEFAULT_GPU_IDLE_MIB
     venv_profile: dict | None = None
     lock_hash: str | None = None
+    """The lock the venv must match; None: no lock to compare (the workstation interpreter)."""
     bundle_hash: str | None = None
+    """The hash of the bundle the workstation sent (the one this agent runs from), recorded in run.json."""
     cli: str | None = None
     created: str | None = None
+    """When the workstation made the run id (ISO 8601, UTC)."""
     replace: bool = False
-    grace_s: float = 20.0
-    release_timeout_s: float = 120.0
+    """Stop the experiment's live run first (SIGINT, SIGTERM, SIGKILL after grace_s) and wait for its GPUs."""
+    grace_s: float = DEFAULT_GRACE_S
+    release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S
+    """How long --replace waits for the stopped run's GPUs to be released."""
     dry_run: bool = False
     resume: str | None = None
+    """A run id of this experiment: continue that run in a new run."""
     warmup_device: str = "cuda"
-    claim_wait_s: float = 5.0
+    """The warm-ups' --device ("cpu" only for tests on a machine without a GPU)."""
+    claim_wait_s: float = DEFAULT_CLAIM_WAIT_S
+    """How long to wait for another launch's preflight holding one of the GPUs (it may fail and free it)."""
     requested_by: dict | None = None
+    """{by: "user@workstation"}: recorded in the stop.json of a run --replace stops."""
     node: dict | None = None
     """A layout across targets: this node's {index, count, targets} (orchestrator.ops.nodes); None: one node."""
 
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchAnswer:
+    """The launch verb's result (its Result event's data), typed on both sides: the agent returns it
+    (orchestrator.agent.preflight.LaunchPlan.answer), ops/launch.py reads it back with `from_json`."""
+
+    run_id: str
+    run_dir: str
+    session: str
+    command: list[str]
+    gpus: list[int]
+    replaced: str | None = None
+    """The live run --replace stopped (a dry run: the run, or the session without one, it would stop)."""
+    replaced_stopped: dict | None = None
+    """The replaced run's exit.json "stopped" record (who stopped it and when)."""
+    resumed_from: str | None = None
+    dry_run: bool = False
+    config: dict | None = None
+    """kind dflash: the config as written to config.json."""
+    env_fingerprint: dict = field(default_factory=dict)
+    bundle_hash: str | None = None
+    gpus_seen: list = field(default_factory=list)
+    plan: dict | None = None
+    """A dry run: what it would stop, resume, write, set and start (what `dflashctl launch --dry-run` prints)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LaunchAnswer":
+        """The answer `data` describes.
+
+        Raises:
+            BadEvent: a field this side does not know, a missing one or one of the wrong type, named.
+        """
+        from orchestrator.agent.events import BadEvent
+
+        problem = schema_problem(cls, data) if isinstance(data, dict) else None
+        if not isinstance(data, dict) or problem is not None:
+            raise BadEvent(f"launch result: {problem.message if problem else 'must be a JSON object'}")
+        return cls(**data)
 
 REQUESTS: dict[str, type[Request]] = {cls.VERB: cls for cls in (
     StatusRequest, StopRequest, MetricsRequest, PingRequest, GpusRequest, FingerprintRequest, TailRequest,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from orchestrator.agent import resume
 from orchestrator.agent import warmup as warmups
-from orchestrator.agent.protocol import AgentFailure, need
+from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.requests import LaunchRequest
 
 SCRIPT_NAME = "start_training.sh"
 ENV_FILE = "launch.env0"
@@ -27,7 +28,7 @@ def check_env(env: dict) -> dict[str, str]:
     return env
 
 
-def build_command(request: dict, run_dir: Path, config: dict | None = None,
+def build_command(req: LaunchRequest, gpus: list[int], run_dir: Path, config: dict | None = None,
                   resume_dir: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv the session runs and the extra environment it gets (on top of the agent's own).
 
@@ -39,57 +40,54 @@ def build_command(request: dict, run_dir: Path, config: dict | None = None,
     its gpus, and DFLASHCTL_RESUME_DIR=<old run dir> when resuming.
 
     Args:
-        config: kind dflash: the resolved config (default: request["config"]).
+        gpus: the GPUs the run occupies (a resumed run's may differ from the request's: preflight.run_gpus).
+        config: kind dflash: the resolved config (default: req.config).
         resume_dir: the directory the run continues (dflash: the new, seeded run dir; command: the old one).
     """
-    kind = request.get("kind")
     extra = {"PYTHONUNBUFFERED": "1", "DFLASHCTL_RUN_ID": run_dir.name, "DFLASHCTL_RUN_DIR": str(run_dir)}
-    gpus = [int(g) for g in request.get("gpus") or []]
-    if kind == "dflash":
+    if req.kind == "dflash":
         argv = [sys.executable, "-m", "trainer.launch", "--config", str(run_dir / "config.json")]
         if resume_dir is not None:
             argv += ["--resume", str(resume_dir)]
-        if request.get("node"):  # a layout across targets: this container is node I of the layout
-            argv += ["--node", str(int(request["node"]["index"]))]
+        if req.node:  # a layout across targets: this container is node I of the layout
+            argv += ["--node", str(int(req.node["index"]))]
         if gpus:
             extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the layout's indices are nvidia-smi's
         else:
             extra["CUDA_VISIBLE_DEVICES"] = ""  # the colocated CPU layout sees no GPU
-        cache = ((config if config is not None else request.get("config") or {}).get("compile") or {}).get("cache_dir")
+        cache = ((config if config is not None else req.config or {}).get("compile") or {}).get("cache_dir")
         if cache:
             extra["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
         return argv, extra
-    if kind == "command":
-        argv = need(request, "command", list, "launch")
-        if not argv or not all(isinstance(a, str) for a in argv):
+    if req.kind == "command":
+        if not req.command:
             raise AgentFailure("BadRequest", "launch request: command must be a non-empty list of strings")
-        env = check_env(dict(request.get("env") or {}))
+        env = check_env(dict(req.env or {}))
         if gpus:
             extra["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         if resume_dir is not None:
             extra[resume.RESUME_ENV] = str(resume_dir)
-        return list(argv), {**env, **extra}
-    raise AgentFailure("BadRequest", f"launch request: unknown experiment kind {kind!r} (dflash or command)")
+        return list(req.command), {**env, **extra}
+    raise AgentFailure("BadRequest", f"launch request: unknown experiment kind {req.kind!r} (dflash or command)")
 
 
-def run_environment(base: dict[str, str], extra: dict[str, str], request: dict) -> dict[str, str]:
+def run_environment(base: dict[str, str], extra: dict[str, str], kind: str, gpus: list[int]) -> dict[str, str]:
     """The run's whole environment (pure): the agent's own, minus what must not leak, plus `extra`.
 
     A dflash GPU layout drops any inherited CUDA_VISIBLE_DEVICES: the launcher uses no GPU, and each rank
     gets exactly its own from trainer.launch (Layout.env), which always replaces the inherited value.
     """
     env = {k: v for k, v in base.items() if k not in DROP_ENV}
-    if request.get("kind") == "dflash" and request.get("gpus"):
+    if kind == "dflash" and gpus:
         env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(extra)
     return env
 
 
-def run_config(request: dict, workdir: str, run_dir: Path, src: resume.ResumeSource | None,
-                create: bool = True) -> dict:
+def run_config(req: LaunchRequest, run_dir: Path, src: resume.ResumeSource | None) -> dict:
     """kind dflash: the config written to runs/<id>/config.json (the old run's when resuming), writing into
-    run_dir, with compile.cache_dir defaulting to the target's persistent cache (made unless `create` is
-    false: a dry run changes nothing)."""
-    config = resume.resumed_config(src, run_dir) if src is not None else {**(request.get("config") or {}),
+    run_dir, with compile.cache_dir defaulting to the target's persistent cache (not made here: the launch
+    makes it when it executes its plan)."""
+    config = resume.resumed_config(src, run_dir) if src is not None else {**(req.config or {}),
                                                                          "output_dir": str(run_dir)}
-    return warmups.resolve_compile(config, workdir, create=create)
+    return warmups.resolve_compile(config, req.workdir, create=False)

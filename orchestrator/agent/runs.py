@@ -119,8 +119,41 @@ def create_run_dir(workdir: str | Path, run_id: str) -> tuple[str, Path]:
             return rid, root / rid
         except FileExistsError:
             continue
-    raise AgentFailure("RunDirExists",
-                       f"runs/{run_id} and {names.CLASH_MAX - 1} suffixed variants already exist in {root}")
+    raise _all_taken(root, run_id)
+
+
+def free_run_id(workdir: str | Path, run_id: str) -> str:
+    """The run id create_run_dir would take now (run_id, or its first -2, -3, ... without a directory), read-only:
+    what a launch plans (orchestrator.agent.preflight), then makes with make_run_dir under its lock."""
+    check_run_id(run_id)
+    root = runs_root(workdir)
+    for n in range(1, names.CLASH_MAX + 1):
+        rid = names.clash_variant(run_id, n)
+        if not (root / rid).exists():
+            return rid
+    raise _all_taken(root, run_id)
+
+
+def make_run_dir(workdir: str | Path, run_id: str) -> Path:
+    """Create runs/<run_id>/ (the id free_run_id planned) exclusively.
+
+    Raises:
+        AgentFailure("RunDirExists"): it appeared since it was planned (a launch of another experiment whose
+            run id came out the same in the same second).
+    """
+    root = runs_root(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        (root / run_id).mkdir()
+    except FileExistsError:
+        raise AgentFailure("RunDirExists", f"{root / run_id} was created by another launch while this one planned it",
+                           fix="launch again (it takes the next free run id)") from None
+    return root / run_id
+
+
+def _all_taken(root: Path, run_id: str) -> AgentFailure:
+    return AgentFailure("RunDirExists",
+                        f"runs/{run_id} and {names.CLASH_MAX - 1} suffixed variants already exist in {root}")
 
 
 def parse_records(lines) -> tuple[list[dict], int]:

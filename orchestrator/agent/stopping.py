@@ -17,7 +17,6 @@ import time
 from orchestrator.agent import runs, tmuxctl
 from orchestrator.agent.protocol import AgentFailure
 
-DEFAULT_GRACE_S = 20.0
 _POLL_S = 0.1
 # After SIGKILL the wrapper only has to notice and write exit.json.
 _AFTER_KILL_S = 10.0

@@ -9,7 +9,6 @@ and reboots, unlike /tmp).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -33,10 +32,15 @@ def resolve_compile(config: dict, workdir: str | Path, create: bool = True) -> d
     comp = dict(config.get("compile") or {})
     if not comp.get("cache_dir"):
         comp["cache_dir"] = str(default_cache_dir(workdir))
-    if create:
-        Path(comp["cache_dir"]).expanduser().mkdir(parents=True, exist_ok=True)
     config["compile"] = comp
+    if create:
+        make_cache_dir(config)
     return config
+
+
+def make_cache_dir(config: dict) -> None:
+    """Create the compile cache of a config resolve_compile returned (its compile.cache_dir)."""
+    Path(config["compile"]["cache_dir"]).expanduser().mkdir(parents=True, exist_ok=True)
 
 
 def warmup_argv(python: str, config: Path, device: str = "cuda") -> list[str]:
@@ -57,11 +61,6 @@ def warmup_env(base: dict[str, str], gpu: int | None, cache_dir: str | None) -> 
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def available() -> bool:
-    """Whether the bundled trainer has a warm-up module (an older bundle may not)."""
-    return importlib.util.find_spec("trainer.warmup") is not None
 
 
 def _label(gpu: int | None) -> str:

@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator import names
 from orchestrator.agent.driver import PROBLEM_TYPES as DRIVER_PROBLEMS
+from orchestrator.agent.requests import (
+    DEFAULT_CLAIM_WAIT_S,
+    DEFAULT_GRACE_S,
+    DEFAULT_RELEASE_TIMEOUT_S,
+    LaunchAnswer,
+    LaunchRequest,
+)
 from orchestrator.errors import AgentError, PreflightError, UserError
 from orchestrator.inventory import check_name, check_run_ref
 from orchestrator.ops.stop import requested_by
@@ -23,11 +30,6 @@ if TYPE_CHECKING:
 # Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
 REFUSALS = {"GpuBusy", "GpuClaimed", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch",
             "NothingToResume", *DRIVER_PROBLEMS}
-DEFAULT_GRACE_S = 20.0
-DEFAULT_RELEASE_TIMEOUT_S = 120.0
-# How long a launch waits for another launch's preflight that holds one of its GPUs (that launch may fail and
-# release it) before it is refused naming the GPU and the run.
-DEFAULT_CLAIM_WAIT_S = 5.0
 
 
 @dataclass
@@ -232,34 +234,33 @@ def launch(
                              replace=replace, grace_s=grace_s, release_timeout_s=release_timeout_s,
                              dry_run=dry_run, resume=resume, warmup_device=warmup_device,
                              claim_wait_s=claim_wait_s)
-    data = agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
-                           on_event=on_event, timeout=timeout)
+    ans = _answer(agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
+                                  on_event=on_event, timeout=timeout), spec)
     result = LaunchResult(
-        run_id=data["run_id"],
-        run_dir=data["run_dir"],
-        session=data["session"],
-        target=spec.target,
-        experiment=spec.experiment,
-        command=data.get("command") or [],
-        gpus=data.get("gpus") or [],
-        replaced=data.get("replaced"),
-        dry_run=bool(data.get("dry_run")),
-        plan=data.get("plan"),
-        resumed_from=data.get("resumed_from"),
-        env_fingerprint=data.get("env_fingerprint"),
-        gpus_seen=data.get("gpus_seen"),
-        bundle_hash=data.get("bundle_hash"),
+        run_id=ans.run_id, run_dir=ans.run_dir, session=ans.session, target=spec.target, experiment=spec.experiment,
+        command=ans.command, gpus=ans.gpus, replaced=ans.replaced, dry_run=ans.dry_run, plan=ans.plan,
+        resumed_from=ans.resumed_from, env_fingerprint=ans.env_fingerprint, gpus_seen=ans.gpus_seen,
+        bundle_hash=ans.bundle_hash,
     )
     if record and not result.dry_run:
-        _record(spec, data, result, created)
+        _record(spec, ans, result, created)
     return result
+
+
+def _answer(data: dict, spec: LaunchSpec) -> LaunchAnswer:
+    """The launch verb's result, typed (an answer this side cannot read is an AgentError naming the field)."""
+    from orchestrator.agent.events import BadEvent
+
+    try:
+        return LaunchAnswer.from_json(data)
+    except BadEvent as exc:
+        raise AgentError(f"launch {spec.experiment} on {spec.target}: {exc}", agent_type="BadEvent") from None
 
 
 def launch_request(spec: LaunchSpec, *, created: str, run_id: str, cli: str | None, replace: bool, grace_s: float,
                    release_timeout_s: float, dry_run: bool, resume: str | None, warmup_device: str,
                    claim_wait_s: float) -> dict[str, Any]:
     """The launch verb's request to the agent (orchestrator.agent.requests.LaunchRequest, as JSON)."""
-    from orchestrator.agent.requests import LaunchRequest
     from orchestrator.bundle import build_bundle
 
     return LaunchRequest(
@@ -273,7 +274,7 @@ def launch_request(spec: LaunchSpec, *, created: str, run_id: str, cli: str | No
     ).to_json()
 
 
-def _record(spec: LaunchSpec, data: dict, result: LaunchResult, created: str) -> None:
+def _record(spec: LaunchSpec, ans: LaunchAnswer, result: LaunchResult, created: str) -> None:
     """Append the launch to the workstation records (and the stop of the run it replaced)."""
     from orchestrator.records import append_record
 
@@ -284,21 +285,21 @@ def _record(spec: LaunchSpec, data: dict, result: LaunchResult, created: str) ->
         "target": spec.target,
         "kind": spec.kind,
         # What actually ran: a resumed run uses the old run's config, and its layout's GPUs.
-        "config": (data.get("config") or spec.config) if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
-        "gpus": data.get("gpus") if data.get("gpus") is not None else spec.gpus,
-        "gpus_seen": data.get("gpus_seen") or [],
-        "env_fingerprint": data.get("env_fingerprint") or {},
-        "bundle_hash": data.get("bundle_hash"),
+        "config": ans.config if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
+        "gpus": ans.gpus,
+        "gpus_seen": ans.gpus_seen,
+        "env_fingerprint": ans.env_fingerprint,
+        "bundle_hash": ans.bundle_hash,
         "run_dir": result.run_dir,
         "created": created,
         "replaced": result.replaced,
         "resumed_from": result.resumed_from,
     })
     result.record_path = str(path)
-    if result.replaced and isinstance(data.get("replaced_stopped"), dict):
+    if result.replaced and ans.replaced_stopped is not None:
         from orchestrator.records import record_stopped
 
-        record_stopped(result.replaced, data["replaced_stopped"])
+        record_stopped(result.replaced, ans.replaced_stopped)
 
 
 def launch_experiment(inv, experiment: str, *, target: str | None = None, tag: str | None = None,

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from orchestrator.agent.requests import DEFAULT_GRACE_S
 from orchestrator.errors import DflashError, PreflightError, UserError
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ def run_cause(exits: list[dict | None]) -> dict | None:
     return None
 
 
-def stop_nodes(targets: list, run_id: str, record: dict, *, grace_s: float = 20.0,
+def stop_nodes(targets: list, run_id: str, record: dict, *, grace_s: float = DEFAULT_GRACE_S,
                on_event: Callable[[Event], None] | None = None) -> list:
     """Stop run `run_id` on every node of its record, in parallel (a node already ended is reported as such);
     a node that vanished without exit.json (its container was stopped) then gets exit.json failed with the
@@ -265,7 +266,7 @@ def launch_experiment(inv, spec, **kw) -> NodesResult:
             t.close()
 
 
-def stop_run(inv, record: dict, *, grace_s: float = 20.0, on_event: Callable[[Event], None] | None = None) -> list:
+def stop_run(inv, record: dict, *, grace_s: float = DEFAULT_GRACE_S, on_event: Callable[[Event], None] | None = None) -> list:
     """`stop` of a run across targets (its record lists nodes): stop_nodes over every node's target."""
     from orchestrator.target import open_target
 

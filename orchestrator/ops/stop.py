@@ -7,13 +7,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.agent.requests import StopRequest
+from orchestrator.agent.requests import DEFAULT_GRACE_S, StopRequest
 from orchestrator.errors import AgentError, RunNotFound
 
 if TYPE_CHECKING:
     from orchestrator.agent.events import Event
 
-DEFAULT_GRACE_S = 20.0
 
 
 def requested_by(verb: str = "dflashctl stop") -> dict:

@@ -1,19 +1,13 @@
 """`launch`: preflight, run directory, warm-up, tmux session, all in ONE agent call inside the target.
 
-Request (built by orchestrator/ops/launch.py; names were checked on the workstation and are checked again):
-  {workdir, experiment, run_id, tag, target, kind: "dflash"|"command",
-   command: [argv] (kind command), env: {K: V}, gpus: [int], gpu_idle_mib: int,
-   config: {...} (kind dflash: the resolved TrainConfig, layout section included), layout: {...},
-   resume: run id | null (continue that run of this experiment in a new run),
-   venv_profile: {...}, lock_hash: str|null, bundle_hash: str|null, cli: str, created: iso,
-   replace: bool, grace_s: float, release_timeout_s: float, dry_run: bool, warmup_device: "cuda"|"cpu",
-   claim_wait_s: float (how long to wait for another launch's preflight holding a GPU; default 5),
-   requested_by: {by: "user@workstation"} (recorded in the stop.json of a run --replace stops)}
-Events: progress steps lock, session, stop, resume, claim, gpus, venv, rundir, layout, warmup, tmux (each with
-a message).
-Result: {run_id, run_dir, session, command, gpus, gpus_seen, replaced: run id | null, replaced_stopped: its
-         exit.json "stopped" | null, resumed_from, dry_run,
-         config (kind dflash: as written to config.json), env_fingerprint, bundle_hash, plan: {...} (dry run)}
+Request: orchestrator.agent.requests.LaunchRequest (built by orchestrator/ops/launch.py; names were checked on
+the workstation and are checked again). The preflight (orchestrator.agent.preflight.plan) decides everything
+read-only and returns a LaunchPlan; `dry_run` returns that plan after the machine's checks, otherwise this
+verb executes it under the experiment's lock: stop (--replace) or clear the old session, claim the GPUs,
+the checks (driver, GPUs idle, venv), write the run directory, warm up, start the tmux session.
+Events: progress steps lock, resume, session, stop, claim, driver, gpus, venv, rundir, layout, warmup, tmux
+(each with a message).
+Result: orchestrator.agent.requests.LaunchAnswer (the same for a dry run, with the plan's details in `plan`).
 Refusals (AgentFailure types): LockHeld (a launch of this experiment is in its preflight), SessionExists,
 GpuClaimed (a launch in its preflight or a running run holds one of the GPUs: waited for up to claim_wait_s
 while it is a launch), DriverTooOld and DriverLibraryMismatch (a run on GPUs whose NVIDIA driver cannot run
@@ -24,168 +18,151 @@ resumed run ResumeFailed: either way the run's exit.json is written and no sessi
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import signal
 import socket
 from pathlib import Path
 
 from orchestrator import assets, ownlines
 from orchestrator.agent import claims, gpu, preflight, resume, runs, stopping, tmuxctl
 from orchestrator.agent import warmup as warmups
-from orchestrator.agent.protocol import AgentFailure, need
-from orchestrator.agent.runcommand import (  # noqa: F401 - build_command and run_environment: tests use them here
-    ENV_FILE,
-    SCRIPT_NAME,
-    build_command,
-    run_config,
-    run_environment,
-)
+from orchestrator.agent.preflight import LaunchPlan
+from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.requests import LaunchAnswer, LaunchRequest
+from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, run_environment
 from orchestrator.quoting import render, render_line
 
 
-def _need(request: dict, key: str, kind: type):
-    return need(request, key, kind, "launch")
-
-
-def warmup_targets(layout: dict, config: dict) -> tuple[list[int | None], str | None]:
-    """What launch warms up: each drafter GPU; a CPU split layout with compile on: the CPU once.
-
-    Returns:
-        (targets, None) or ([], the reason it is skipped). The colocated loop compiles nothing ahead.
-    """
-    drafters = [int(g) for g in (layout or {}).get("drafter_gpus") or []]
-    if drafters:
-        return drafters, None
-    lay = config.get("layout") or {}
-    if lay.get("num_drafter_procs") and (config.get("compile") or {}).get("enabled"):
-        return [None], None
-    return [], "no drafter GPUs and nothing compiled ahead on the CPU (compile.enabled is off, or colocated)"
-
-
-def warm_up(request: dict, run_dir: Path, env: dict[str, str], emit, device: str = "cuda") -> list[dict]:
-    """Compile the training shapes on each drafter GPU, one process per GPU, one GPU after the other (never
-    two compiles racing in one interpreter), so training starts from a warm cache. Streams one progress event
-    per shape and per GPU (orchestrator.agent.warmup, shared with the `warmup` verb); the warm-ups' stderr
-    goes to runs/<id>/warmup.log, the summaries to runs/<id>/warmup.json.
-
-    Returns:
-        The `warmup_done` summaries, one per GPU.
-    Raises:
-        AgentFailure("WarmupFailed"): a warm-up exited non-zero; exit.json records it (phase "warmup").
-    """
-    if not warmups.available():
-        emit.progress("warmup", "warm-up skipped: this bundle's trainer has no warm-up module", skipped=True)
-        return []
-    config = runs.read_json(run_dir / "config.json") or {}
-    targets, why = warmup_targets(request.get("layout") or {}, config)
-    if not targets:
-        emit.progress("warmup", f"warm-up skipped: {why}", skipped=True)
-        return []
-    import json
-
-    cache = (config.get("compile") or {}).get("cache_dir")
-    try:
-        done = warmups.run_warmups(run_dir / "config.json", targets, env, emit, run_dir / "warmup.log",
-                                   device=device, cwd=run_dir, cache_dir=cache)
-    except AgentFailure as exc:
-        if exc.type == "WarmupFailed":
-            rc, sig = int(exc.data.get("exit_code", 1)), None
-            if rc < 0:  # killed by a signal: record it the way start_training.sh does (128 + N, SIGNAME)
-                import signal as _signal
-
-                try:
-                    sig = _signal.Signals(-rc).name
-                except ValueError:
-                    sig = None
-                rc = 128 - rc
-            runs.write_json(run_dir / "exit.json", {"exit_code": rc, "signal": sig, "started": exc.data.get("started"),
-                                                    "ended": runs.utc_now(), "phase": "warmup"})
-        raise
-    runs.write_bytes(run_dir / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
-    return done
-
-
-def _script_bytes() -> bytes:
-    try:
-        return assets.read_bytes(SCRIPT_NAME)
-    except FileNotFoundError:  # pragma: no cover - a broken bundle
-        raise AgentFailure("BundleBroken", f"templates/{SCRIPT_NAME} is missing from the bundle") from None
-
-
-def _env_blob(env: dict[str, str]) -> bytes:
-    return b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
-
-
 def run(request: dict, emit) -> dict:
-    workdir = _need(request, "workdir", str)
-    experiment = _need(request, "experiment", str)
-    run_id = runs.check_run_id(_need(request, "run_id", str))
-    session = tmuxctl.session_name(runs.check_name("experiment", experiment))
-    threshold = int(request.get("gpu_idle_mib", 1024))
-    replace = bool(request.get("replace"))
-
-    if request.get("dry_run"):
-        return preflight.plan(request, workdir, run_id, session, threshold, replace, emit).to_json()
-
+    req = LaunchRequest.from_json(request)
+    if req.dry_run:
+        plan = preflight.plan(req, emit)
+        fingerprint, _ = preflight.checks(plan, req, emit, lambda: preflight.check_free(plan, req.workdir, emit))
+        return plan.answer(dry_run=True, fingerprint=fingerprint).to_json()
     # Held across the whole preflight, until the session runs: one launch of this experiment at a time.
-    lock = runs.LaunchLock(workdir, experiment)
-    lock.acquire({"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id, "experiment": experiment,
-                  "since": runs.utc_now()})
+    lock = runs.LaunchLock(req.workdir, req.experiment)
+    lock.acquire({"pid": os.getpid(), "host": socket.gethostname(), "run_id": req.run_id,
+                  "experiment": req.experiment, "since": runs.utc_now()})
     emit.progress("lock", f"holding {lock.path}")
-    token = None
     try:
-        replaced, replaced_stop = _clear_session(request, workdir, session, experiment, replace, threshold, emit)
-        # After a --replace stop, so `--replace --resume <the live run>` continues from its final checkpoint.
-        src = preflight.resume_source(workdir, request, emit)
-        gpus = preflight.run_gpus(request, src, emit)
-        if gpus:
-            token = claims.claim(workdir, gpus, {"run_id": run_id, "experiment": experiment}, emit,
-                                 float(request.get("claim_wait_s", claims.DEFAULT_WAIT_S)))
-            emit.progress("claim", f"claimed GPUs {gpus} for run {run_id}")
-        preflight.check_driver(workdir, request, gpus, emit)
-        seen = gpu.preflight_gpus(gpus, threshold)
-        if gpus:
-            emit.progress("gpus", f"GPUs {gpus} idle (under {threshold} MiB)")
-        fingerprint = preflight.check_venv(workdir, request, emit)
-        result = _start_run({**request, "gpus": gpus}, workdir, run_id, session, src, replaced, fingerprint, seen,
-                            emit)
-        if token is not None:
-            claims.promote(workdir, token, result["run_id"])  # the run holds its GPUs now, until it ends
-            token = None
-        return {**result, "replaced_stopped": replaced_stop}
+        return execute(preflight.plan(req, emit), req, emit)
     finally:
-        if token is not None:
-            claims.release(workdir, token)  # the launch failed: its GPUs are free again
         lock.release()
 
 
-def _clear_session(request: dict, workdir: str, session: str, experiment: str, replace: bool, threshold: int,
-                   emit) -> tuple[str | None, dict | None]:
-    """Clear a finished session of this experiment, or with --replace stop its live run and wait for that
-    run's GPUs (refused with SessionExists otherwise).
+def execute(plan: LaunchPlan, req: LaunchRequest, emit) -> dict:
+    """Do what `plan` says, in order: the old session, the GPUs' claim, the run, its session.
 
     Returns:
-        (the replaced run id, its exit.json "stopped" record: who stopped it and when), or (None, None).
+        The launch's result (the module docstring), with the plan's run id, directory, session and command.
     """
-    old = preflight.check_session(session, experiment, replace)
+    replaced_stopped, src = _clear_session(plan, req, emit), plan.resume
+    if src is not None and plan.replaces == src.run_id:  # its final checkpoint was written as it stopped
+        src = dataclasses.replace(src, checkpoints=resume.complete_checkpoints(src.run_dir))
+    token = None
+    try:
+        if plan.gpus:
+            token = claims.claim(req.workdir, plan.gpus, {"run_id": plan.run_id, "experiment": req.experiment},
+                                 emit, req.claim_wait_s)
+            emit.progress("claim", f"claimed GPUs {plan.gpus} for run {plan.run_id}")
+        fingerprint, seen = preflight.checks(plan, req, emit, lambda: _gpus_idle(plan, emit))
+        result = _start_run(plan, req, src, fingerprint, seen, emit)
+        if token is not None:
+            claims.promote(req.workdir, token, plan.run_id)  # the run holds its GPUs now, until it ends
+            token = None
+        return dataclasses.replace(result, replaced_stopped=replaced_stopped).to_json()
+    finally:
+        if token is not None:
+            claims.release(req.workdir, token)  # the launch failed: its GPUs are free again
+
+
+def _gpus_idle(plan: LaunchPlan, emit) -> list[dict]:
+    seen = gpu.preflight_gpus(plan.gpus, plan.gpu_idle_mib)
+    if plan.gpus:
+        emit.progress("gpus", f"GPUs {plan.gpus} idle (under {plan.gpu_idle_mib} MiB)")
+    return seen
+
+
+def _clear_session(plan: LaunchPlan, req: LaunchRequest, emit) -> dict | None:
+    """Clear the experiment's finished session, or (--replace) stop its live run and wait for that run's GPUs.
+
+    Returns:
+        The replaced run's exit.json "stopped" record (who stopped it and when), or None.
+    """
+    old, session = plan.old_session, plan.session
     if old is None:
         emit.progress("session", f"no live session {session}")
-        return None, None
-    if old.get("dead_only"):
+        return None
+    if old["dead"]:
         tmuxctl.kill_session(session)
         emit.progress("session", f"cleared the finished session {session} (run {old.get('run_id')})")
-        return None, None
-    replaced, stopped = old.get("run_id"), None
+        return None
+    replaced, stopped = plan.replaces, None
     emit.progress("stop", f"replacing run {replaced} in session {session}")
     if replaced:
-        by = {"via": f"dflashctl launch {experiment} --replace", **(request.get("requested_by") or {})}
-        res = stopping.stop_run(workdir, replaced, float(request.get("grace_s", stopping.DEFAULT_GRACE_S)), emit, by)
+        by = {"via": f"dflashctl launch {req.experiment} --replace", **(req.requested_by or {})}
+        res = stopping.stop_run(req.workdir, replaced, req.grace_s, emit, by)
         stopped = (res.get("exit") or {}).get("stopped") if res.get("state") == "stopped" else None
     else:  # a session we did not start (no run id): end it the blunt way
         tmuxctl.kill_session(session)
-    if request.get("gpus"):
-        gpu.wait_gpus_idle([int(g) for g in request["gpus"]], threshold,
-                                float(request.get("release_timeout_s", 120)), emit)
-    return replaced, stopped
+    if req.gpus:
+        gpu.wait_gpus_idle(req.gpus, plan.gpu_idle_mib, req.release_timeout_s, emit)
+    return stopped
+
+
+def _start_run(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | None, fingerprint: dict,
+               seen: list[dict], emit) -> LaunchAnswer:
+    """After the preflight: the run directory, its files, the warm-up, then the tmux session."""
+    run_dir = runs.make_run_dir(req.workdir, plan.run_id)
+    if plan.config is not None:
+        warmups.make_cache_dir(plan.config)
+        if src is not None:
+            _seed_resumed(src, plan.run_id, run_dir, emit)
+        runs.write_json(run_dir / "config.json", plan.config)
+    env = run_environment(dict(os.environ), plan.extra, req.kind, plan.gpus)
+    runs.write_bytes(run_dir / SCRIPT_NAME, assets.read_bytes(SCRIPT_NAME), 0o755)
+    # The environment travels in a file only the owner reads: values never reach a command line.
+    runs.write_bytes(run_dir / ENV_FILE, _env_blob(env), 0o600)
+    mark = ownlines.new_mark()
+    runs.write_json(run_dir / "run.json", _run_info(plan, req, src, fingerprint, seen, mark))
+    _start_log(run_dir, mark, plan.argv)
+    emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
+    if plan.config is not None:
+        emit.progress("layout", preflight.describe_layout(plan.gpus, plan.layout or {}, req.node))
+        warm_up(run_dir, plan.warmup, plan.warmup_skipped, plan.config, env, emit, device=req.warmup_device)
+    s = tmuxctl.new_session(plan.session, plan.command_line, str(run_dir), plan.run_id)
+    emit.progress("tmux", f"session {plan.session} started (pane pid {s['pane_pid']})", session=plan.session)
+    return plan.answer(dry_run=False, fingerprint=fingerprint, gpus_seen=seen)
+
+
+def _run_info(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | None, fingerprint: dict,
+              seen: list[dict], mark: str) -> dict:
+    """run.json: what the run is, where it came from, what it runs."""
+    return {
+        "experiment": req.experiment,
+        "run_id": plan.run_id,
+        "tag": req.tag,
+        "target": req.target,
+        "kind": req.kind,
+        "session": plan.session,
+        "created": req.created or runs.utc_now(),
+        "bundle_hash": plan.bundle_hash,
+        "env_fingerprint": fingerprint,
+        "command": plan.argv,
+        "command_line": render(plan.argv),
+        "cli": req.cli,
+        "gpus": plan.gpus,
+        "gpus_seen": seen,
+        "layout": plan.layout,
+        "env_keys": sorted(plan.extra),
+        "replaced": plan.replaces,
+        "resumed_from": None if src is None else src.run_id,
+        "resumed_step": None if src is None else src.step,
+        "node": req.node,
+        ownlines.RUN_JSON_KEY: mark,
+    }
 
 
 def _seed_resumed(src: resume.ResumeSource, run_id: str, run_dir: Path, emit) -> None:
@@ -202,77 +179,48 @@ def _seed_resumed(src: resume.ResumeSource, run_id: str, run_dir: Path, emit) ->
     emit.progress("resume", f"seeded {run_dir.name} from {src.run_id}: {', '.join(seeded)}")
 
 
-def _start_run(request: dict, workdir: str, run_id: str, session: str, src: resume.ResumeSource | None,
-               replaced: str | None, fingerprint: dict, seen: list[dict], emit) -> dict:
-    """After the preflight: the run directory, its files, the warm-up, then the tmux session."""
-    dflash = request.get("kind") == "dflash"
-    gpus = request["gpus"]
-    run_id, run_dir = runs.create_run_dir(workdir, run_id)
-    config = None
-    if dflash:
-        config = run_config(request, workdir, run_dir, src)
-        if src is not None:
-            _seed_resumed(src, run_id, run_dir, emit)
-        runs.write_json(run_dir / "config.json", config)
-    resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
-    argv, extra = build_command(request, run_dir, config, resume_dir)
-    env = run_environment(dict(os.environ), extra, request)
-    script = run_dir / SCRIPT_NAME
-    runs.write_bytes(script, _script_bytes(), 0o755)
-    # The environment travels in a file only the owner reads: values never reach a command line.
-    runs.write_bytes(run_dir / ENV_FILE, _env_blob(env), 0o600)
-    tmux_command = render(["bash", str(script), str(run_dir), "--", *argv])
-    mark = ownlines.new_mark()
-    info = {
-        "experiment": request["experiment"],
-        "run_id": run_id,
-        "tag": request.get("tag"),
-        "target": request.get("target"),
-        "kind": request.get("kind"),
-        "session": session,
-        "created": request.get("created") or runs.utc_now(),
-        "bundle_hash": request.get("bundle_hash") or os.environ.get("DFLASHCTL_BUNDLE_HASH"),
-        "env_fingerprint": fingerprint,
-        "command": argv,
-        "command_line": render(argv),
-        "cli": request.get("cli"),
-        "gpus": gpus,
-        "gpus_seen": seen,
-        "layout": (config or {}).get("layout") if dflash else request.get("layout"),
-        "env_keys": sorted(extra),
-        "replaced": replaced,
-        "resumed_from": None if src is None else src.run_id,
-        "resumed_step": None if src is None else src.step,
-        "node": request.get("node"),
-        ownlines.RUN_JSON_KEY: mark,
-    }
-    runs.write_json(run_dir / "run.json", info)
-    _start_log(run_dir, mark, argv)
-    emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
+def warm_up(run_dir: Path, targets: list[int | None], skipped: str | None, config: dict, env: dict[str, str],
+            emit, device: str = "cuda") -> list[dict]:
+    """Compile the training shapes on each of `targets` (the plan's: drafter GPUs, or the CPU), one process
+    per device, one after the other (never two compiles racing in one interpreter), so training starts from a
+    warm cache. Streams one progress event per shape and per device (orchestrator.agent.warmup, shared with
+    the `warmup` verb); the warm-ups' stderr goes to runs/<id>/warmup.log, the summaries to warmup.json.
 
-    if dflash:
-        emit.progress("layout", _describe_layout(gpus, (config or {}).get("layout") or {}, request.get("node")))
-        # Across nodes the request's layout is this node's GPUs; on one node, the config's.
-        lay = request.get("layout") if request.get("node") else (config or {}).get("layout")
-        warm_up({**request, "layout": lay or {}}, run_dir, env, emit,
-                device=str(request.get("warmup_device") or "cuda"))
+    Returns:
+        The `warmup_done` summaries, one per device.
+    Raises:
+        AgentFailure("WarmupFailed"): a warm-up exited non-zero; exit.json records it (phase "warmup").
+    """
+    if not targets:
+        emit.progress("warmup", f"warm-up skipped: {skipped}", skipped=True)
+        return []
+    try:
+        done = warmups.run_warmups(run_dir / "config.json", targets, env, emit, run_dir / "warmup.log",
+                                   device=device, cwd=run_dir, cache_dir=(config.get("compile") or {}).get("cache_dir"))
+    except AgentFailure as exc:
+        if exc.type == "WarmupFailed":
+            _warmup_exit(run_dir, int(exc.data.get("exit_code", 1)), exc.data.get("started"))
+        raise
+    runs.write_bytes(run_dir / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
+    return done
 
-    s = tmuxctl.new_session(session, tmux_command, str(run_dir), run_id)
-    emit.progress("tmux", f"session {session} started (pane pid {s['pane_pid']})", session=session)
-    return {
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "session": session,
-        "command": argv,
-        "gpus": gpus,
-        "replaced": replaced,
-        "resumed_from": info["resumed_from"],
-        "config": config,
-        "dry_run": False,
-        "env_fingerprint": fingerprint,
-        "bundle_hash": info["bundle_hash"],
-        "gpus_seen": seen,
-    }
+
+def _warmup_exit(run_dir: Path, rc: int, started: str | None) -> None:
+    """exit.json of a run whose warm-up failed; killed by a signal: recorded the way start_training.sh does
+    (128 + N, SIGNAME)."""
+    sig = None
+    if rc < 0:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = None
+        rc = 128 - rc
+    runs.write_json(run_dir / "exit.json", {"exit_code": rc, "signal": sig, "started": started,
+                                            "ended": runs.utc_now(), "phase": "warmup"})
+
+
+def _env_blob(env: dict[str, str]) -> bytes:
+    return b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
 
 
 def _start_log(run_dir: Path, mark: str, argv: list[str]) -> None:
@@ -286,19 +234,3 @@ def _start_log(run_dir: Path, mark: str, argv: list[str]) -> None:
         os.write(fd, header.encode("utf-8", errors="surrogateescape"))
     finally:
         os.close(fd)
-
-
-def _describe_layout(gpus: list[int], layout: dict, node: dict | None = None) -> str:
-    if node and layout.get("nodes"):
-        n = layout["nodes"][int(node["index"])]
-        return (f"node {node['index']} of {node['count']} (rendezvous {layout.get('rendezvous')}): "
-                + _describe_layout(gpus, {k: v for k, v in n.items() if k != "name"}))
-    t, d = layout.get("target_gpus") or [], layout.get("drafter_gpus") or []
-    if t or d:
-        return f"{len(t)} target process(es) on GPUs {t}, {len(d)} drafter process(es) on GPUs {d}: one process per GPU"
-    if layout.get("num_target_procs"):
-        return (f"{layout['num_target_procs']} target + {layout.get('num_drafter_procs')} drafter process(es) "
-                "on the CPU (gloo)")
-    return "colocated: target and drafter in one CPU process"
-
-

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from orchestrator.agent import claims, gpu, runs
 from orchestrator.agent import warmup as warmups
-from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import WarmupRequest
 
 _DROP_ENV = ("TMUX", "TMUX_PANE", "CUDA_VISIBLE_DEVICES")
@@ -35,9 +34,6 @@ def run(request: dict, emit) -> dict:
     layout = req.layout or config.get("layout") or {}
     drafters = [int(g) for g in layout.get("drafter_gpus") or []]
     targets: list[int | None] = list(drafters) or [None]  # a CPU layout: one warm-up on the CPU
-    if not warmups.available():
-        raise AgentFailure("BundleBroken", "this bundle's trainer has no warm-up module (trainer.warmup)",
-                           fix="dflashctl rebuild-venv (refreshes the bundle)")
 
     # The experiment's launch lock (no other warm-up or launch of it writes the same cache entries) and a
     # claim of its drafter GPUs (no launch hands them to a run while this compiles on them).

@@ -4,6 +4,7 @@ stand-in, namespaced containers, real tmux)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import sys
@@ -15,7 +16,8 @@ import pytest
 
 from orchestrator import assets
 from orchestrator.agent import runs as agent_runs
-from orchestrator.agent.verbs.launch import build_command
+from orchestrator.agent.requests import LaunchRequest
+from orchestrator.agent.runcommand import build_command, run_environment
 from orchestrator.errors import PreflightError, UserError
 from orchestrator.ops.launch import LaunchSpec, launch, make_run_id
 from orchestrator.ops.status import status
@@ -59,38 +61,37 @@ def test_run_id_is_experiment_tag_and_utc_stamp():
     assert make_run_id("exp-1", None, t) == "exp-1-20260304T050607Z"
 
 
+def req(kind: str, **kw) -> LaunchRequest:
+    return LaunchRequest(experiment="e", run_id="e-1", kind=kind, **kw)
+
+
 def test_build_command_for_both_kinds(tmp_path):
     run = tmp_path / "runs" / "r1"
-    argv, env = build_command({"kind": "command", "command": ["python", "train.py"], "env": {"A": "1"},
-                               "gpus": [5, 6, 7]}, run)
+    argv, env = build_command(req("command", command=["python", "train.py"], env={"A": "1"}), [5, 6, 7], run)
     assert argv == ["python", "train.py"]
     assert env["CUDA_VISIBLE_DEVICES"] == "5,6,7" and env["A"] == "1" and env["PYTHONUNBUFFERED"] == "1"
     assert "DFLASHCTL_RESUME_DIR" not in env
-    _, env = build_command({"kind": "command", "command": ["x"]}, run, resume_dir=tmp_path / "runs" / "old")
+    _, env = build_command(req("command", command=["x"]), [], run, resume_dir=tmp_path / "runs" / "old")
     assert env["DFLASHCTL_RESUME_DIR"] == str(tmp_path / "runs" / "old")
 
     cfg = {"compile": {"cache_dir": "/w/inductor-cache"}}
-    argv, env = build_command({"kind": "dflash", "gpus": [], "config": cfg}, run)
+    argv, env = build_command(req("dflash", config=cfg), [], run)
     assert argv == [sys.executable, "-m", "trainer.launch", "--config", str(run / "config.json")]
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # the colocated CPU layout sees no GPU
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/w/inductor-cache"
-    argv, env = build_command({"kind": "dflash", "gpus": [0, 1, 5, 6]}, run, cfg, resume_dir=run)
+    argv, env = build_command(req("dflash"), [0, 1, 5, 6], run, cfg, resume_dir=run)
     assert argv[-4:] == ["--config", str(run / "config.json"), "--resume", str(run)]
     # A GPU layout: trainer.launch gives every rank its own GPU; the launcher gets no GPU list at all.
     assert "CUDA_VISIBLE_DEVICES" not in env and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
 def test_run_environment_drops_an_inherited_gpu_list_for_gpu_layouts(tmp_path):
-    from orchestrator.agent.verbs.launch import run_environment
-
     base = {"CUDA_VISIBLE_DEVICES": "3", "TMUX": "/tmp/t,1,0", "HOME": "/root"}
-    req = {"kind": "dflash", "gpus": [0, 5]}
-    env = run_environment(base, build_command(req, tmp_path)[1], req)
+    env = run_environment(base, build_command(req("dflash"), [0, 5], tmp_path)[1], "dflash", [0, 5])
     assert "CUDA_VISIBLE_DEVICES" not in env and "TMUX" not in env and env["HOME"] == "/root"
-    req = {"kind": "dflash", "gpus": []}
-    assert run_environment(base, build_command(req, tmp_path)[1], req)["CUDA_VISIBLE_DEVICES"] == ""
-    req = {"kind": "command", "command": ["x"], "gpus": []}
-    assert run_environment(base, build_command(req, tmp_path)[1], req)["CUDA_VISIBLE_DEVICES"] == "3"
+    assert run_environment(base, build_command(req("dflash"), [], tmp_path)[1], "dflash", [])["CUDA_VISIBLE_DEVICES"] == ""
+    extra = build_command(req("command", command=["x"]), [], tmp_path)[1]
+    assert run_environment(base, extra, "command", [])["CUDA_VISIBLE_DEVICES"] == "3"
 
 
 def test_inventory_layout_is_written_into_the_trainer_config():
@@ -223,6 +224,40 @@ def test_dry_run_plans_and_changes_nothing(tmp_path, local_target):
     assert status(t).sessions == [] and load_records() == []
 
 
+def test_the_launch_executes_exactly_the_plan_its_dry_run_showed(tmp_path, local_target, smi):
+    """--dry-run and the launch make their decisions in one place (orchestrator.agent.preflight.plan): with
+    the workstation's run id taken already, a live run to replace and GPUs to claim, the launch makes the
+    very run id, directory, session, command, environment and files its dry run showed, and its session
+    runs the plan's tmux command line."""
+    import datetime as dt
+    import shlex
+
+    from orchestrator.agent import tmuxctl
+
+    t = local_target
+    now = dt.datetime(2026, 5, 6, 7, 8, 9, tzinfo=dt.timezone.utc)
+    old = launch(t, cmd_spec("same", SLEEPER, gpus=[1]))  # the live run both replace
+    taken = Path(t.workdir) / "runs" / make_run_id("same", "b", now)
+    taken.mkdir()  # a clash: the plan takes the next free run id
+    spec = cmd_spec("same", SLEEPER, tag="b", gpus=[0, 1], env={"MINE": "x y"})
+    plan = launch(t, spec, replace=True, dry_run=True, now=now)
+    assert plan.run_id == taken.name + "-2" and plan.replaced == old.run_id and plan.plan["warmup"] == []
+    res = launch(t, spec, replace=True, grace_s=5, now=now)
+    assert (res.run_id, res.run_dir, res.session, res.command, res.gpus, res.replaced, res.resumed_from) == (
+        plan.run_id, plan.run_dir, plan.session, plan.command, plan.gpus, plan.replaced, plan.resumed_from)
+    run = Path(res.run_dir)
+    assert all(Path(f).is_file() for f in plan.plan["files"])
+    info = json.loads((run / "run.json").read_text())
+    assert (info["run_id"], info["command"], info["gpus"], info["env_keys"]) == (
+        plan.run_id, plan.command, plan.gpus, plan.plan["env_keys"])
+    env = dict(e.split("=", 1) for e in (run / "launch.env0").read_text().split("\0") if e)
+    assert set(plan.plan["env_keys"]) <= set(env) and env["MINE"] == "x y"
+    assert {k: env[k] for k in plan.plan["env"]} == plan.plan["env"]
+    pane = tmuxctl.find_session(plan.session)["pane_pid"]
+    assert Path(f"/proc/{pane}/cmdline").read_bytes().split(b"\0")[:-1] == [
+        a.encode() for a in shlex.split(plan.plan["tmux"][-1])]
+
+
 def test_a_finished_session_does_not_block_the_next_launch(tmp_path, local_target):
     t = local_target
     first = launch(t, cmd_spec("fin", ["true"]))
@@ -273,6 +308,7 @@ def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_
     import io
     import os
 
+    from orchestrator.agent.preflight import warmup_targets
     from orchestrator.agent.protocol import Emitter
     from orchestrator.agent.verbs.launch import warm_up
     from orchestrator.bundle import source_root
@@ -282,11 +318,14 @@ def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_
     spec = spec_from_inventory(load_inventory(_embedded()), "tiny")
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({**spec.config, "output_dir": str(run)}))
+    config = {**spec.config, "output_dir": str(run)}
+    (run / "config.json").write_text(json.dumps(config))
     out = io.StringIO()
     env = {**os.environ, "PYTHONPATH": str(source_root())}
+    targets, skipped = warmup_targets({"target_gpus": [0], "drafter_gpus": [1, 2]}, config)
+    assert (targets, skipped) == ([1, 2], None)
     # device cpu: this machine has no GPU; the per-GPU process, CUDA_VISIBLE_DEVICES and streaming are real.
-    done = warm_up({"layout": {"target_gpus": [0], "drafter_gpus": [1, 2]}}, run, env, Emitter(out), device="cpu")
+    done = warm_up(run, targets, skipped, config, env, Emitter(out), device="cpu")
     events = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [d["gpu"] for d in done] == [1, 2] and all(d["device"] == "cpu" for d in done)
     assert [e["gpu"] for e in events if "warm in" in e["message"]] == [1, 2]
@@ -297,7 +336,7 @@ def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_
     from orchestrator.agent.protocol import AgentFailure
 
     with pytest.raises(AgentFailure) as info:
-        warm_up({"layout": {"drafter_gpus": [4]}}, run, env, Emitter(io.StringIO()), device="cpu")
+        warm_up(run, [4], None, config, env, Emitter(io.StringIO()), device="cpu")
     assert info.value.type == "WarmupFailed" and "GPU 4" in info.value.message and "no_such_key" in info.value.message
     assert json.loads((run / "exit.json").read_text())["phase"] == "warmup"
 
@@ -628,13 +667,17 @@ def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_g
         spec = LaunchSpec(experiment="gl", kind="dflash", target="ct", config=config, layout=layout, gpus=[3, 5, 6],
                           venv_profile={"kind": "uv"}, lock_hash=cpu_lock)
         t = ct_target(pve, ct)
-        t.agent("echo")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        plan = launch(t, spec, dry_run=True, now=now)  # the plan the launch then executes, warm-ups included
+        assert plan.plan["warmup"] == [5, 6] and "CUDA_DEVICE_ORDER" in plan.plan["env_keys"]
         pve.clear_pct_calls()
         events: list[dict] = []
-        res = launch(t, spec, on_event=events.append, warmup_device="cpu")
+        res = launch(t, spec, on_event=events.append, warmup_device="cpu", now=now)
         assert len(pve.pct_exec_calls(306)) == 1
         t.close()
         run = Path(res.run_dir)
+        assert (res.run_id, res.run_dir, res.command, res.gpus) == (plan.run_id, plan.run_dir, plan.command, plan.gpus)
+        assert json.loads((run / "run.json").read_text())["env_keys"] == plan.plan["env_keys"]
         assert res.command[1:] == ["-m", "trainer.launch", "--config", str(run / "config.json")]
         written = json.loads((run / "config.json").read_text())
         assert (written["layout"]["target_gpus"], written["layout"]["drafter_gpus"]) == ([3], [5, 6])
@@ -644,7 +687,7 @@ def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_g
         assert [e.message for e in events if e.step == "layout"] == [
             "1 target process(es) on GPUs [3], 2 drafter process(es) on GPUs [5, 6]: one process per GPU"]
         assert [e.gpu for e in events if "warm in" in e.message] == [5, 6]
-        assert [w["gpu"] for w in json.loads((run / "warmup.json").read_text())] == [5, 6]
+        assert [w["gpu"] for w in json.loads((run / "warmup.json").read_text())] == plan.plan["warmup"]
 
         ex = wait_exit(res.run_dir, 120)
         log = (run / "train.log").read_text()
