@@ -166,7 +166,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 @pytest.fixture
 def two_cts(pve, stock_cpu_venv):
-    from tests.orchestrator.test_launch import make_ct
+    from tests.orchestrator.ops.test_launch import make_ct
 
     venv, lock = stock_cpu_venv
     cts = [make_ct(pve, ctid, venv=venv) for ctid in (200, 201)]
