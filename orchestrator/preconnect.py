@@ -110,7 +110,8 @@ class EarlyConnection:
         from orchestrator.target import container_target
 
         try:
-            self._started = container_target(self.agent.target, self.agent, self.agent, transport).start_agent(self.agent.verb)
+            a = self.agent  # the target's fields and the host's pct/sudo, as container_target reads them
+            self._started = container_target(a.target, a, a, transport).start_agent(a.verb)
         except Exception:  # noqa: BLE001 - no early call: the command's own call meets the problem and reports it
             self._started = None
 

@@ -103,10 +103,12 @@ def wait_for_execs(pve, ctid: int, n: int, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_a_launch_starts_its_agent_call_before_the_inventory_is_validated_and_finishes_it(pve, tmp_path):
+def test_a_launch_starts_its_agent_call_before_validation_and_finishes_it(pve, tmp_path, monkeypatch):
     """The early agent call is THE launch's one pct exec: started from the raw inventory, it waits for the
     request, which the launch then sends to it."""
     from orchestrator.ops.launch import launch_experiment
+
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))  # the known-bundles cache: this test's
 
     ct = pve.create_container(993, gpus=0)
     path = write_inv(tmp_path, pve.host_entry(), ctid=993, workdir=ct.workdir)
@@ -126,7 +128,8 @@ def test_a_launch_starts_its_agent_call_before_the_inventory_is_validated_and_fi
         pve.remove_container(993)
 
 
-def test_an_early_agent_call_the_command_does_not_make_is_dropped_and_runs_nothing(pve, tmp_path):
+def test_an_early_agent_call_the_command_does_not_make_is_dropped_and_runs_nothing(pve, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
     ct = pve.create_container(994, gpus=0)
     path = write_inv(tmp_path, pve.host_entry(), ctid=994, workdir=ct.workdir)
     try:
