@@ -116,17 +116,27 @@ class BaseTarget:
         request: dict | None = None,
         on_event: EventCallback | None = None,
         timeout: float | None = None,
-    ) -> dict:
-        """Run one agent verb; stream non-final events to on_event; return the result's data.
+        answer: type | None = None,
+    ):
+        """Run one agent verb; stream non-final events (typed: orchestrator.agent.events) to on_event; return
+        the result's data, as `answer` (an orchestrator.agent.requests.Answer class) when given.
 
         Raises:
-            AgentError: the agent reported an error event (its type in `.agent_type`), or died without one.
+            AgentError: the agent reported an error event (its type in `.agent_type`), or died without one, or
+                sent an event or an answer this workstation cannot read (BadEvent, naming the field).
         """
         payload = json.dumps({"workdir": self.workdir, **(request or {})}).encode()
         stream = _EventStream(on_event)
         res = self._run_agent(verb, payload, stream, timeout)
         stream.finish()
-        return self._interpret(verb, res, stream)
+        data = self._interpret(verb, res, stream)
+        if answer is None:
+            return data
+        try:
+            return answer.from_json(data)
+        except events.BadEvent as exc:
+            raise AgentError(f"agent {verb} on {self.name} answered what this workstation cannot read: {exc}",
+                             agent_type="BadEvent", result=res) from None
 
     def _run_agent(self, verb: str, payload: bytes, stream: _EventStream, timeout: float | None) -> Result:
         return self.transport.run(self.agent_argv(verb), stdin=payload, timeout=timeout, on_stdout=stream.feed)

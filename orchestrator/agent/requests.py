@@ -185,10 +185,38 @@ class LaunchRequest(Request):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchAnswer:
-    """The launch verb's result (its Result event's data), typed on both sides: the agent returns it
-    (orchestrator.agent.preflight.LaunchPlan.answer), ops/launch.py reads it back with `from_json`."""
+class Answer:
+    """Base of a verb's answer (the data of its Result event), typed on both sides: the verb returns one
+    (`to_json`), the op reads it back (`from_json`) field by field."""
 
+    VERB: ClassVar[str] = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]):
+        """The answer `data` describes.
+
+        Raises:
+            BadEvent: not an object, a field this side does not know, a missing one or one of the wrong type;
+                the message names the verb and the field.
+        """
+        from orchestrator.agent.events import BadEvent
+
+        if not isinstance(data, dict):
+            raise BadEvent(f"{cls.VERB} result: must be a JSON object, got {type(data).__name__}")
+        problem = schema_problem(cls, data)
+        if problem is not None:
+            raise BadEvent(f"{cls.VERB} result: {problem.message}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchAnswer(Answer):
+    """The launch verb's result (orchestrator.agent.preflight.LaunchPlan.answer), read by ops/launch.py."""
+
+    VERB: ClassVar[str] = "launch"
     run_id: str
     run_dir: str
     session: str
@@ -208,22 +236,72 @@ class LaunchAnswer:
     plan: dict | None = None
     """A dry run: what it would stop, resume, write, set and start (what `dflashctl launch --dry-run` prints)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "LaunchAnswer":
-        """The answer `data` describes.
+@dataclass(frozen=True, kw_only=True)
+class TailAnswer(Answer):
+    """How a tail ended: the run's state once it ended (or now, without --follow) and the offsets reached."""
 
-        Raises:
-            BadEvent: a field this side does not know, a missing one or one of the wrong type, named.
-        """
-        from orchestrator.agent.events import BadEvent
+    VERB: ClassVar[str] = "tail"
+    run_id: str
+    state: str
+    exit: dict | None = None
+    """The run's exit.json, once it ended."""
+    session_alive: bool | None = None
+    offsets: dict = field(default_factory=dict)
 
-        problem = schema_problem(cls, data) if isinstance(data, dict) else None
-        if not isinstance(data, dict) or problem is not None:
-            raise BadEvent(f"launch result: {problem.message if problem else 'must be a JSON object'}")
-        return cls(**data)
+
+@dataclass(frozen=True, kw_only=True)
+class StopAnswer(Answer):
+    """What a stop did: the signals sent, the run's state and exit.json after them, the GPUs once released."""
+
+    VERB: ClassVar[str] = "stop"
+    run_id: str
+    state: str
+    signals: list[str] = field(default_factory=list)
+    already_ended: bool = False
+    exit: dict | None = None
+    session: str | None = None
+    gpus: list = field(default_factory=list)
+    """The GPUs as seen once released (the request named GPUs to wait for)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupAnswer(Answer):
+    """A warm-up's files and one summary per device (python -m trainer.warmup's own report)."""
+
+    VERB: ClassVar[str] = "warmup"
+    experiment: str
+    dir: str
+    config: str
+    cache_dir: str
+    warmups: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusAnswer(Answer):
+    """One target's GPUs, tmux sessions and runs."""
+
+    VERB: ClassVar[str] = "status"
+    hostname: str
+    workdir: str
+    gpus: list = field(default_factory=list)
+    gpu_reason: str | None = None
+    """Why no GPU could be read (no nvidia-smi, ...), or None."""
+    sessions: list = field(default_factory=list)
+    runs: list = field(default_factory=list)
+    total_runs: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsAnswer(Answer):
+    """A run's metrics.jsonl rows, downsampled, and how many there were."""
+
+    VERB: ClassVar[str] = "metrics"
+    run_id: str
+    rows: list = field(default_factory=list)
+    total: int = 0
+    bad_lines: int = 0
+
 
 REQUESTS: dict[str, type[Request]] = {cls.VERB: cls for cls in (
     StatusRequest, StopRequest, MetricsRequest, PingRequest, GpusRequest, FingerprintRequest, TailRequest,

@@ -234,8 +234,8 @@ def launch(
                              replace=replace, grace_s=grace_s, release_timeout_s=release_timeout_s,
                              dry_run=dry_run, resume=resume, warmup_device=warmup_device,
                              claim_wait_s=claim_wait_s)
-    ans = _answer(agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
-                                  on_event=on_event, timeout=timeout), spec)
+    ans = agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
+                          on_event=on_event, timeout=timeout, answer=LaunchAnswer)
     result = LaunchResult(
         run_id=ans.run_id, run_dir=ans.run_dir, session=ans.session, target=spec.target, experiment=spec.experiment,
         command=ans.command, gpus=ans.gpus, replaced=ans.replaced, dry_run=ans.dry_run, plan=ans.plan,
@@ -246,15 +246,6 @@ def launch(
         _record(spec, ans, result, created)
     return result
 
-
-def _answer(data: dict, spec: LaunchSpec) -> LaunchAnswer:
-    """The launch verb's result, typed (an answer this side cannot read is an AgentError naming the field)."""
-    from orchestrator.agent.events import BadEvent
-
-    try:
-        return LaunchAnswer.from_json(data)
-    except BadEvent as exc:
-        raise AgentError(f"launch {spec.experiment} on {spec.target}: {exc}", agent_type="BadEvent") from None
 
 
 def launch_request(spec: LaunchSpec, *, created: str, run_id: str, cli: str | None, replace: bool, grace_s: float,
@@ -328,11 +319,12 @@ def launch_experiment(inv, experiment: str, *, target: str | None = None, tag: s
 
 
 def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: str, *, on_event=None,
-                    timeout: float | None = None) -> dict:
-    """One agent call; an error event whose type is in `refusals` becomes a PreflightError ("<what> refused:
-    ...") carrying the agent's type and data, anything else propagates as the AgentError it is."""
+                    timeout: float | None = None, answer: type | None = None):
+    """One agent call (returning its typed `answer`); an error event whose type is in `refusals` becomes a
+    PreflightError ("<what> refused: ...") carrying the agent's type and data, anything else propagates as the
+    AgentError it is."""
     try:
-        return target.agent(verb, request, on_event=on_event, timeout=timeout)
+        return target.agent(verb, request, on_event=on_event, timeout=timeout, answer=answer)
     except AgentError as exc:
         if exc.agent_type in refusals:
             err = PreflightError(f"{what} refused: {exc.message}", fix=exc.fix)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.agent.events import Data, Event, Heartbeat, Metrics, RunInfo, Truncated
+from orchestrator.agent.requests import TailAnswer
 from orchestrator.errors import AgentError, ConnectError, RemoteCommandError, RunNotFound, UserError
 
 # Outcome -> process exit code (README, `dflashctl logs --help`).
@@ -388,9 +389,9 @@ def _tail_once(target, st: _Follower, request: dict, follow: bool,
     if follow:
         threading.Thread(target=watchdog, name="tail-watchdog", daemon=True).start()
     error: BaseException | None = None
-    result: dict | None = None
+    result: TailAnswer | None = None
     try:
-        result = target.agent("tail", request, on_event=st.handle, timeout=None)
+        result = target.agent("tail", request, on_event=st.handle, timeout=None, answer=TailAnswer)
     except AgentError as exc:
         if exc.agent_type == "RunNotFound":
             raise RunNotFound(exc.message, fix=exc.fix) from None
@@ -408,12 +409,12 @@ def _tail_once(target, st: _Follower, request: dict, follow: bool,
     return result, error, stalled.is_set()
 
 
-def _finished(st: _Follower, result: dict, reconnects: int, health) -> FollowOutcome:
+def _finished(st: _Follower, result: TailAnswer, reconnects: int, health) -> FollowOutcome:
     """The outcome of a tail that ended with a result (the run ended, or a show without --follow)."""
     st.finish_matcher()
     outcome = FollowOutcome(
-        run_id=result.get("run_id") or st.run_id, experiment=st.experiment, state=str(result.get("state") or "running"),
-        exit=result.get("exit"), matches=st.matches, alerts=st.alerts, lines=st.lines,
+        run_id=result.run_id, experiment=st.experiment, state=result.state,
+        exit=result.exit, matches=st.matches, alerts=st.alerts, lines=st.lines,
         reconnects=reconnects, offsets={"log": st.log_offset, "metrics": st.metrics_offset},
         baseline=st.baseline,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.agent.requests import MetricsRequest
+from orchestrator.agent.requests import MetricsAnswer, MetricsRequest
 from orchestrator.errors import AgentError, RunNotFound, UserError
 from trainer.metrics import parse_tau_key
 
@@ -41,12 +41,13 @@ def fetch_metrics(target, run_id: str | None = None, *, experiment: str | None =
         RunNotFound: no such run in the target.
     """
     try:
-        data = target.agent("metrics", MetricsRequest(run_id=run_id, experiment=experiment, max_rows=max_rows).to_json())
+        ans = target.agent("metrics", MetricsRequest(run_id=run_id, experiment=experiment, max_rows=max_rows).to_json(),
+                           answer=MetricsAnswer)
     except AgentError as exc:
         if exc.agent_type == "RunNotFound":
             raise RunNotFound(exc.message, fix=exc.fix) from None
         raise
-    return series_from_rows(data["run_id"], data["rows"], data.get("total", len(data["rows"])))
+    return series_from_rows(ans.run_id, ans.rows, ans.total)
 
 
 def _number(v) -> float | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from orchestrator.agent.requests import StatusRequest
+from orchestrator.agent.requests import StatusAnswer, StatusRequest
 from orchestrator.errors import ContainerMissing, ContainerStopped
 
 
@@ -49,7 +49,7 @@ def status(target, *, limit: int = 20, timeout: float | None = 120) -> TargetSta
 
     kind = "running" if isinstance(target, ContainerTarget) else "local"
     try:
-        data = target.agent("status", StatusRequest(limit=limit).to_json(), timeout=timeout)
+        ans = target.agent("status", StatusRequest(limit=limit).to_json(), timeout=timeout, answer=StatusAnswer)
     except ContainerStopped as exc:
         return TargetStatus(target.name, "stopped", workdir=target.workdir, note=exc.message)
     except ContainerMissing as exc:
@@ -57,13 +57,13 @@ def status(target, *, limit: int = 20, timeout: float | None = 120) -> TargetSta
     return TargetStatus(
         target=target.name,
         state=kind,
-        hostname=data.get("hostname"),
-        workdir=data.get("workdir"),
-        gpus=data.get("gpus") or [],
-        gpu_reason=data.get("gpu_reason"),
-        sessions=data.get("sessions") or [],
-        runs=data.get("runs") or [],
-        total_runs=int(data.get("total_runs") or 0),
+        hostname=ans.hostname,
+        workdir=ans.workdir,
+        gpus=ans.gpus,
+        gpu_reason=ans.gpu_reason,
+        sessions=ans.sessions,
+        runs=ans.runs,
+        total_runs=ans.total_runs,
     )
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.agent.requests import DEFAULT_GRACE_S, StopRequest
+from orchestrator.agent.requests import DEFAULT_GRACE_S, StopAnswer, StopRequest
 from orchestrator.errors import AgentError, RunNotFound
 
 if TYPE_CHECKING:
@@ -69,22 +69,16 @@ def stop(
     # Worst case: two grace periods, the post-SIGKILL wait, and the GPU release wait.
     timeout = 2 * grace_s + 60 + (150 if gpus else 0)
     try:
-        data = target.agent("stop", request, on_event=on_event, timeout=timeout)
+        ans = target.agent("stop", request, on_event=on_event, timeout=timeout, answer=StopAnswer)
     except AgentError as exc:
         if exc.agent_type == "RunNotFound":
             raise RunNotFound(exc.message, fix=f"dflashctl status --target {target.name}") from None
         raise
-    stopped = (data.get("exit") or {}).get("stopped")
-    if data.get("state") == "stopped" and isinstance(stopped, dict):
-        _record(data["run_id"], stopped)
-    return StopResult(
-        run_id=data["run_id"],
-        state=data.get("state") or "crashed",
-        signals=data.get("signals") or [],
-        already_ended=bool(data.get("already_ended")),
-        exit=data.get("exit"),
-        session=data.get("session"),
-    )
+    stopped = (ans.exit or {}).get("stopped")  # exit.json: a record the run's wrapper wrote, not the protocol
+    if ans.state == "stopped" and isinstance(stopped, dict):
+        _record(ans.run_id, stopped)
+    return StopResult(run_id=ans.run_id, state=ans.state, signals=ans.signals, already_ended=ans.already_ended,
+                      exit=ans.exit, session=ans.session)
 
 
 def stop_run(inv, ref: str, *, target: str | None = None, grace_s: float = DEFAULT_GRACE_S,

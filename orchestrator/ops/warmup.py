@@ -62,16 +62,16 @@ def warmup(
     if spec.kind != "dflash":
         raise UserError(f"experiment {spec.experiment} is kind {spec.kind}: only kind dflash (the bundled trainer) "
                         "has shapes to warm up", fix="warm up a kind dflash experiment")
-    from orchestrator.agent.requests import WarmupRequest
+    from orchestrator.agent.requests import WarmupAnswer, WarmupRequest
 
     request = WarmupRequest(experiment=spec.experiment, config=spec.config or {}, layout=spec.layout or {},
                             gpu_idle_mib=spec.gpu_idle_mib, device=device).to_json()
     from orchestrator.ops.launch import agent_or_refuse
 
-    data = agent_or_refuse(target, "warmup", request, REFUSALS, f"warmup {spec.experiment} on {spec.target}",
-                           on_event=on_event, timeout=timeout)
-    return WarmupResult(experiment=spec.experiment, target=spec.target, cache_dir=data.get("cache_dir") or "",
-                        dir=data.get("dir") or "", warmups=list(data.get("warmups") or []))
+    ans = agent_or_refuse(target, "warmup", request, REFUSALS, f"warmup {spec.experiment} on {spec.target}",
+                          on_event=on_event, timeout=timeout, answer=WarmupAnswer)
+    return WarmupResult(experiment=spec.experiment, target=spec.target, cache_dir=ans.cache_dir, dir=ans.dir,
+                        warmups=list(ans.warmups))
 
 
 def warmup_experiment(inv, experiment: str, *, target: str | None = None,

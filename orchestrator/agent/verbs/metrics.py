@@ -7,7 +7,7 @@ A torn last line (the trainer is writing it right now) is skipped, not an error.
 from __future__ import annotations
 
 
-from orchestrator.agent.requests import MetricsRequest
+from orchestrator.agent.requests import MetricsAnswer, MetricsRequest
 from orchestrator.agent.runs import parse_records, resolve_run
 
 
@@ -24,7 +24,7 @@ def run(request: dict, emit) -> dict:
     req = MetricsRequest.from_json(request)
     ref = resolve_run(req.workdir, req.run_id, req.experiment)
     if not ref.metrics.exists():
-        return {"run_id": ref.run_id, "rows": [], "total": 0, "bad_lines": 0}
+        return MetricsAnswer(run_id=ref.run_id).to_json()
     rows, bad = read_rows(ref.metrics)
     max_rows = req.max_rows
     total = len(rows)
@@ -32,4 +32,4 @@ def run(request: dict, emit) -> dict:
         stride = (total - 1) / (max_rows - 1)
         keep = {round(i * stride) for i in range(max_rows)}
         rows = [r for i, r in enumerate(rows) if i in keep or r.get("kind") == "eval"]
-    return {"run_id": ref.run_id, "rows": rows, "total": total, "bad_lines": bad}
+    return MetricsAnswer(run_id=ref.run_id, rows=rows, total=total, bad_lines=bad).to_json()

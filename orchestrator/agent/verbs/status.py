@@ -11,7 +11,7 @@ import socket
 
 from orchestrator.agent import runs, tmuxctl
 from orchestrator.agent.gpu import query_gpus
-from orchestrator.agent.requests import StatusRequest
+from orchestrator.agent.requests import StatusAnswer, StatusRequest
 
 
 def run(request: dict, emit) -> dict:
@@ -21,12 +21,12 @@ def run(request: dict, emit) -> dict:
     sessions = tmuxctl.list_sessions()
     all_runs = runs.list_runs(workdir, sessions)
     limit = req.limit
-    return {
-        "hostname": socket.gethostname(),
-        "workdir": workdir,
-        "gpus": gpus,
-        "gpu_reason": reason,
-        "sessions": [s for s in sessions if s["name"].startswith(tmuxctl.SESSION_PREFIX)],
-        "runs": all_runs[-limit:] if limit > 0 else all_runs,
-        "total_runs": len(all_runs),
-    }
+    return StatusAnswer(
+        hostname=socket.gethostname(),
+        workdir=workdir,
+        gpus=gpus,
+        gpu_reason=reason,
+        sessions=[s for s in sessions if s["name"].startswith(tmuxctl.SESSION_PREFIX)],
+        runs=all_runs[-limit:] if limit > 0 else all_runs,
+        total_runs=len(all_runs),
+    ).to_json()

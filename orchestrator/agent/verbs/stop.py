@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from orchestrator.agent import gpu, runs
 from orchestrator.agent.protocol import AgentFailure
-from orchestrator.agent.requests import StopRequest
+from orchestrator.agent.requests import StopAnswer, StopRequest
 from orchestrator.agent.stopping import stop_run
 
 
@@ -37,4 +37,4 @@ def run(request: dict, emit) -> dict:
         result = {**result, **record_lost(req.workdir, req.run_id, req.lost_cause)}
     if req.gpus:
         result["gpus"] = gpu.wait_gpus_idle(req.gpus, req.gpu_idle_mib, req.release_timeout_s, emit)
-    return result
+    return StopAnswer(**result).to_json()

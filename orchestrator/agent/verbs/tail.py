@@ -30,7 +30,7 @@ import time
 
 from orchestrator.agent.events import Data, Heartbeat, Metrics, RunInfo, Truncated
 from orchestrator.agent.protocol import AgentFailure
-from orchestrator.agent.requests import TailRequest
+from orchestrator.agent.requests import TailAnswer, TailRequest
 from orchestrator.ownlines import RUN_JSON_KEY, valid_mark
 from orchestrator.agent.runs import parse_records, read_exit, resolve_run, run_alive, state_of, stopped_by
 from orchestrator.agent.tailer import DirWatcher, LineCursor, last_good_baseline, tail_offset
@@ -99,13 +99,8 @@ def run(request: dict, emit) -> dict:
             pass
         if watcher is not None:
             watcher.close()
-        return {
-            "run_id": ref.run_id,
-            "state": state,
-            "exit": exit_info,
-            "session_alive": alive,
-            "offsets": {"log": log.offset, "metrics": metrics.offset if metrics else None},
-        }
+        return TailAnswer(run_id=ref.run_id, state=state, exit=exit_info, session_alive=alive,
+                          offsets={"log": log.offset, "metrics": metrics.offset if metrics else None}).to_json()
 
     last_check = float("-inf")
     gone_once = False

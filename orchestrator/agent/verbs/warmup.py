@@ -21,7 +21,7 @@ from pathlib import Path
 
 from orchestrator.agent import claims, gpu, runs
 from orchestrator.agent import warmup as warmups
-from orchestrator.agent.requests import WarmupRequest
+from orchestrator.agent.requests import WarmupAnswer, WarmupRequest
 
 _DROP_ENV = ("TMUX", "TMUX_PANE", "CUDA_VISIBLE_DEVICES")
 
@@ -61,8 +61,8 @@ def run(request: dict, emit) -> dict:
         done = warmups.run_warmups(out / "config.json", targets, base, emit, log_path,
                                    device=req.device or "cuda", cwd=out, cache_dir=cache)
         runs.write_bytes(out / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
-        return {"experiment": experiment, "dir": str(out), "config": str(out / "config.json"),
-                "cache_dir": cache, "warmups": done}
+        return WarmupAnswer(experiment=experiment, dir=str(out), config=str(out / "config.json"), cache_dir=cache,
+                            warmups=done).to_json()
     finally:
         if token is not None:
             claims.release(workdir, token)

@@ -3,15 +3,17 @@ and anything else is refused with one error naming the event kind and the field.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import sys
 
 import pytest
 
-from orchestrator.agent import events
+from orchestrator.agent import events, requests
 from orchestrator.agent.events import EVENTS, BadEvent, Data, Error, Heartbeat, Progress, Result
 from orchestrator.agent.protocol import Emitter
+from orchestrator.agent.requests import Answer
 from orchestrator.errors import AgentError
 from orchestrator.target import LocalTarget
 from orchestrator.transport.local import LocalTransport
@@ -115,3 +117,42 @@ def test_an_event_the_workstation_cannot_read_fails_the_call_naming_it(tmp_path)
     assert "agent launch on here sent an event this workstation cannot read: progress event: unknown field " \
            "'colour'" in info.value.message
 
+
+# ------------------------------------------------------------------------------------------- verbs' answers
+
+
+@pytest.mark.parametrize("cls", [c for c in vars(requests).values()
+                                 if isinstance(c, type) and issubclass(c, Answer) and c is not Answer])
+def test_an_answer_survives_the_wire(cls):
+    needed = {"run_id": "r", "run_dir": "/w/runs/r", "session": "dflash-e", "command": ["true"], "gpus": [1],
+              "state": "succeeded", "experiment": "e", "dir": "/w/warmup/e", "config": "/w/warmup/e/config.json",
+              "cache_dir": "/w/inductor-cache", "hostname": "h", "workdir": "/w"}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    ans = cls(**{k: needed[k] for k in required})
+    assert cls.from_json(json.loads(json.dumps(ans.to_json()))) == ans
+
+
+@pytest.mark.parametrize("cls, data, words", [
+    (requests.TailAnswer, {"run_id": "r", "state": "running", "colour": 1}, "tail result: unknown field 'colour'"),
+    (requests.StopAnswer, {"run_id": "r"}, "stop result: missing field 'state'"),
+    (requests.LaunchAnswer, {"run_id": "r", "run_dir": "d", "session": "s", "command": "true", "gpus": []},
+     "launch result: field 'command' must be a list of strings, got \"true\""),
+    (requests.StatusAnswer, {"hostname": "h", "workdir": "/w", "total_runs": "3"},
+     "status result: field 'total_runs' must be an integer, got \"3\""),
+    (requests.MetricsAnswer, [], "metrics result: must be a JSON object, got list"),
+])
+def test_an_answer_that_does_not_fit_names_the_verb_and_the_field(cls, data, words):
+    with pytest.raises(BadEvent) as info:
+        cls.from_json(data)
+    assert words in str(info.value)
+
+
+def test_the_workstation_reads_a_typed_answer_or_refuses_one_it_cannot_read(tmp_path):
+    t = _target(tmp_path, json.dumps(Result(data={"run_id": "r", "state": "succeeded"}).to_json()))
+    assert t.agent("tail", answer=requests.TailAnswer) == requests.TailAnswer(run_id="r", state="succeeded")
+    t = _target(tmp_path, json.dumps(Result(data={"run_id": "r", "status": "succeeded"}).to_json()))
+    with pytest.raises(AgentError) as info:
+        t.agent("tail", answer=requests.TailAnswer)
+    assert info.value.agent_type == "BadEvent" and info.value.message.startswith(
+        "agent tail on here answered what this workstation cannot read: tail result: unknown field 'status'")
