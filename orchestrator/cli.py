@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = app(args=argv, prog_name="dflashctl", standalone_mode=False, obj=opts)
         return rc if isinstance(rc, int) else 0
     except DflashError as exc:
-        return _dflash_error(exc, opts.verbose)
+        return _dflash_error(exc, opts.verbose, opts.inventory)
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         return _usage_error(exc)
 
 
-def _dflash_error(exc, verbose: bool = False) -> int:
+def _dflash_error(exc, verbose: bool = False, inventory: str | None = None) -> int:
     """Print a DflashError as `error: ...` and `fix: ...` (literal text, never markup); the traceback only
-    with --verbose or $DFLASHCTL_VERBOSE."""
+    with --verbose or $DFLASHCTL_VERBOSE. A `dflashctl` command in the fix gets the `-i` the user gave."""
+    from orchestrator.errors import with_inventory
     from orchestrator.render import console, text
 
     if verbose or os.environ.get("DFLASHCTL_VERBOSE"):
@@ -123,7 +124,7 @@ def _dflash_error(exc, verbose: bool = False) -> int:
     err = console(stderr=True)
     err.print(text(("error:", "bold red"), f" {exc.message}"), soft_wrap=True)
     if exc.fix:
-        err.print(text(("fix:", "bold"), f" {exc.fix}"), soft_wrap=True)
+        err.print(text(("fix:", "bold"), f" {with_inventory(exc.fix, inventory)}"), soft_wrap=True)
     return exc.exit_code
 
 

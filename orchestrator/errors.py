@@ -6,6 +6,12 @@ Exit codes (README): 1 for any DflashError unless the subclass says otherwise.
 
 from __future__ import annotations
 
+import re
+import shlex
+
+# A `dflashctl VERB` command inside a fix: not a path's tail (`/bin/dflashctl`) nor `dflashctl's`.
+_COMMAND = re.compile(r"(?<![\w/.-])dflashctl (?=[a-z])")
+
 
 class DflashError(Exception):
     """Base of every error meant for the user.
@@ -108,3 +114,15 @@ class RunNotFound(UserError):
     """No such run."""
 
     exit_code = 4
+
+
+def with_inventory(fix: str, inventory: str | None) -> str:
+    """`fix` with every `dflashctl VERB` command in it given `-i INVENTORY`, so that a fix pasted as printed
+    reads the inventory the failed command read (pure; unchanged without --inventory).
+
+    >>> with_inventory("dflashctl status --target ct  (or: dflashctl runs)", "my inv.yaml")
+    "dflashctl -i 'my inv.yaml' status --target ct  (or: dflashctl -i 'my inv.yaml' runs)"
+    """
+    if not inventory:
+        return fix
+    return _COMMAND.sub(lambda m: f"dflashctl -i {shlex.quote(inventory)} ", fix)

@@ -13,6 +13,7 @@ def doctor_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check ssh, host key, pct, the container, GPUs, python3, tmux, uv, disk and caches; print fixes."""
+    from orchestrator.errors import with_inventory
     from orchestrator.ops.doctor import doctor
     from orchestrator.render import console, print_json, status_text, table, text
 
@@ -21,7 +22,8 @@ def doctor_cmd(
     if as_json:
         print_json(report.to_dict())
     else:
-        rows = [(c.name, status_text(c.status), c.detail, c.fix or "") for c in report.checks]
+        rows = [(c.name, status_text(c.status), c.detail, with_inventory(c.fix or "", options.options(ctx).inventory))
+                for c in report.checks]
         out = console()
         out.print(table(f"doctor: {report.target} ({report.kind}, {inv.source})",
                         ["check", "status", "detail", "fix"], rows))

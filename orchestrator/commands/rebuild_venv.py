@@ -64,15 +64,17 @@ class _Progress:
             self.console.print(f"  {event.get('line', '')}", style="dim")
 
 
-def _print_report(tname: str, pname: str, report) -> None:
-    """The rebuild-venv report as text (warnings with their fixes on stderr)."""
+def _print_report(tname: str, pname: str, report, inventory: str | None) -> None:
+    """The rebuild-venv report as text (warnings with their fixes on stderr, with the user's -i)."""
+    from orchestrator.errors import with_inventory
     from orchestrator.render import console
 
     out = console()
     fp = report.fingerprint or {}
     env = f"python {fp.get('python')}, torch {fp.get('torch')}, CUDA {fp.get('cuda')}" if fp else ""
     for w in report.warnings:
-        console(stderr=True).print(f"warning: {w['message']}" + (f"\n  fix: {w['fix']}" if w.get("fix") else ""))
+        fix = f"\n  fix: {with_inventory(w['fix'], inventory)}" if w.get("fix") else ""
+        console(stderr=True).print(f"warning: {w['message']}{fix}")
     if report.action in ("workstation", "system"):
         what = "the workstation's own interpreter" if report.action == "workstation" else "the target's python3 as is"
         out.print(f"profile {pname!r} is {what}: nothing to build")
@@ -120,7 +122,7 @@ def rebuild_venv_cmd(
     if as_json:
         print_json(dataclasses.asdict(report))
         return
-    _print_report(tname, pname, report)
+    _print_report(tname, pname, report, options.options(ctx).inventory)
 
 
 def register(app: typer.Typer) -> None:

@@ -145,3 +145,17 @@ def test_the_missing_module_fix_names_the_commands_that_check_imports(tmp_path, 
     fix = next(ln for ln in r.stdout.splitlines() if ln.startswith("fix: "))
     assert "`dflashctl lock PROFILE`" in fix and "`dflashctl rebuild-venv`" in fix and "imports every" in fix
     assert "doctor" not in fix and "`accelerate`" in fix
+
+
+@pytest.mark.parametrize("fix, expected", [
+    ("dflashctl runs  (lists recorded runs)", "dflashctl -i 'my inv.yaml' runs  (lists recorded runs)"),
+    ("dflashctl launch tiny --replace   (or: dflashctl stop R)",
+     "dflashctl -i 'my inv.yaml' launch tiny --replace   (or: dflashctl -i 'my inv.yaml' stop R)"),
+    ("ssh -p 22 root@pve pct exec 200 -- apt-get install -y tmux", None),  # no dflashctl command: unchanged
+    ("/usr/local/bin/dflashctl runs; see dflashctl's README", None),  # a path's tail, a possessive: unchanged
+])
+def test_a_dflashctl_fix_gets_the_inventory_the_user_gave(fix, expected):
+    from orchestrator.errors import with_inventory
+
+    assert with_inventory(fix, "my inv.yaml") == (fix if expected is None else expected)
+    assert with_inventory(fix, None) == fix  # without --inventory the default lookup is what the fix reads

@@ -307,4 +307,4 @@ def test_launch_replace_across_targets_is_refused_before_any_connection(dflashct
     assert res.stderr.splitlines() == [
         "error: --replace does not apply to two: its layout runs across targets (stopping the live run on every "
         "node first is not built yet)",
-        "fix: dflashctl stop RUN (the live run of two), then dflashctl launch two"]
+        f"fix: dflashctl -i {inv} stop RUN (the live run of two), then dflashctl -i {inv} launch two"]

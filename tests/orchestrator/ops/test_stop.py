@@ -8,6 +8,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -195,7 +196,12 @@ def test_stop_goes_where_the_record_says_and_without_a_record_where_the_user_say
     records_path().unlink()  # as on another workstation: no record of `two` here
     missed = dflashctl(*inv, "stop", two.name, "--grace", "5")
     assert missed.returncode == 4, missed.stderr
-    assert f"no run {two.name}" in missed.stderr and "dflashctl status --target local" in missed.stderr
+    assert f"no run {two.name}" in missed.stderr
+    # The fix names the inventory this command read (-i), so pasted as printed it looks at the same targets.
+    [fix] = [line.removeprefix("fix: ") for line in missed.stderr.splitlines() if line.startswith("fix: ")]
+    assert fix == f"dflashctl -i {shlex.quote(str(inv_path))} status --target local"
+    pasted = dflashctl(*shlex.split(fix)[1:])
+    assert pasted.returncode == 0 and "local" in pasted.stdout, pasted.stderr
     assert not (two / "exit.json").exists()  # still running where it is
 
     stopped = dflashctl(*inv, "stop", two.name, "--target", "far", "--grace", "5")

@@ -366,7 +366,7 @@ def test_the_rebuild_venv_verb_through_the_installed_cli(dflashctl, tmp_path):
         r = run("--rollback")
         assert r.returncode == 1 and r.stderr.splitlines() == [  # nothing before it (no live display off a tty)
             f"error: rebuild-venv failed at step `rollback`: no previous venv to roll back to in {wd}/venvs (the "
-            "current venv is unchanged)", "fix: build one first: dflashctl rebuild-venv"], r.stderr
+            "current venv is unchanged)", f"fix: build one first: dflashctl -i {inv} rebuild-venv"], r.stderr
         assert not (wd / "venvs" / "current").exists()
 
         r = run()
@@ -393,7 +393,7 @@ def test_the_rebuild_venv_verb_through_the_installed_cli(dflashctl, tmp_path):
 
         r = run("--rollback", "--force")
         assert r.returncode == 1 and r.stderr.splitlines() == [
-            "error: --rollback takes no --force or --offline", "fix: dflashctl rebuild-venv --rollback"]
+            "error: --rollback takes no --force or --offline", f"fix: dflashctl -i {inv} rebuild-venv --rollback"]
     finally:
         subprocess.run(["rm", "-rf", str(wd)])
 
