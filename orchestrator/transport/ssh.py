@@ -318,11 +318,12 @@ class SSHTransport:
             ConnectError, HostKeyError: as for run.
         """
         argv = list(argv)
+        command = render(argv)  # a NUL byte or a non-str is refused here, before anything reaches the host
         at = time.monotonic()
         chan = self._open_channel()
         self.calls += 1
         try:
-            chan.exec_command(render(argv))
+            chan.exec_command(command)
         except Exception as exc:
             chan.close()
             raise ConnectError(f"cannot start a command on {self.label}: {exc}") from exc
