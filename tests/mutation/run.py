@@ -146,19 +146,24 @@ def _prepare(name: str, spec: dict, scratch: Path) -> Path:
         "also_copy": ["templates"],  # orchestrator.assets reads them beside the package
         "only_mutate": spec["files"],
         "pytest_add_cli_args_test_selection": spec["tests"],
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q", "-W", "ignore"],
+        # pytest_mutation.py (copied to plugins/, on PYTHONPATH): a mutant's tests run fastest first, so `-x`
+        # stops at a cheap failure, and the libraries the tests import are imported once, not in every fork.
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "pytest_mutation", "-q", "-W", "ignore"],
         # A mutant that loops forever is stopped at 4x its tests' time (+1 s) instead of mutmut's 15x.
         "timeout_multiplier": 4.0,
     }
     text = (REPO / "pyproject.toml").read_text()
     text += "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items())
     (root / "pyproject.toml").write_text(text)
+    (root / "plugins").mkdir()
+    shutil.copy(Path(__file__).with_name("pytest_mutation.py"), root / "plugins")
     return root
 
 
 def _run_module(name: str, spec: dict, scratch: Path, log) -> tuple[Path, float]:
     root = _prepare(name, spec, scratch)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts mutants/ first itself
+    # Only the plugin's folder: mutmut puts mutants/ first itself, and a checkout on the path would shadow it.
+    env = {**os.environ, "PYTHONPATH": str(root / "plugins")}
     start = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "mutmut", "run", *spec["functions"]], cwd=root, env=env,
                          stdout=log, stderr=subprocess.STDOUT)

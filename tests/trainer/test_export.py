@@ -266,3 +266,95 @@ def test_config_json_is_the_reference_layout_field_by_field(qwen3_target):
         assert (got["bos_token_id"], got["eos_token_id"]) == (7, [8, 9])
     finally:
         tcfg.bos_token_id, tcfg.eos_token_id = bos, eos
+
+
+# -- what the export writes, exactly, and how it replaces an old export -----------------------------------
+
+
+def test_the_weights_file_and_config_text_are_the_reference_formats(qwen3_target, tmp_path):
+    """safetensors metadata {"format": "pt"} (what transformers' save_pretrained writes and loaders check), a
+    config.json indented by two with a final newline, the weights and config in the dtype asked for, and the
+    export directory readable by everyone (mkdtemp makes 0700; an export is shared with a serving stack)."""
+    out = export_drafter(_drafter(qwen3_target, layers=2), qwen3_target, tmp_path / "a" / "b" / "export",
+                         dtype=torch.float32)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert f.get_tensor("fc.weight").dtype == torch.float32
+    text = (out / "config.json").read_text()
+    cfg = json.loads(text)
+    assert text == json.dumps(cfg, indent=2) + "\n" and text.startswith('{\n  "architectures": [\n    "DFlash')
+    assert (cfg["dtype"], cfg["torch_dtype"]) == ("float32", "float32")
+    assert out.stat().st_mode & 0o777 == 0o755
+
+
+def test_an_unsupported_dtype_or_an_embedding_in_the_state_is_refused_by_name(qwen3_target, tmp_path):
+    with pytest.raises(ValueError) as info:
+        export_drafter(_drafter(qwen3_target, layers=2), qwen3_target, tmp_path / "x", dtype=torch.int8)
+    assert str(info.value) == ("export dtype torch.int8 unsupported; use torch.bfloat16, torch.float16 or "
+                               "torch.float32")
+    for name in ("embed_tokens", "lm_head"):  # the right number of tensors, but one is the target's
+        drafter = _drafter(qwen3_target, layers=2)
+        del drafter.hidden_norm._parameters["weight"]
+        drafter.register_buffer(f"{name}_copy", torch.zeros(2))
+        with pytest.raises(ValueError) as info:
+            export_drafter(drafter, qwen3_target, tmp_path / "x")
+        first = sorted([f"{name}_copy", "fc.weight", "layers.0.input_layernorm.weight",
+                        "layers.0.mlp.down_proj.weight", "layers.0.mlp.gate_proj.weight"])[:4]
+        assert str(info.value) == (f"drafter state_dict has 25 tensors ({first}...), expected 25 draft tensors "
+                                   "without embed_tokens/lm_head")
+    assert not (tmp_path / "x").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_export_is_written_beside_its_destination_and_the_old_one_moved_aside_there(qwen3_target, tmp_path,
+                                                                                         monkeypatch):
+    """The temporary directory is a hidden sibling of the destination (same file system: the final rename is
+    atomic), and a replaced export is moved into a hidden sibling before it is deleted."""
+    import trainer.export as export_mod
+
+    dest, seen = tmp_path / "export", []
+    real_code, real_fsync_dir = export_mod.reference_code, export_mod._fsync_dir
+    monkeypatch.setattr(export_mod, "reference_code",
+                        lambda: seen.append(sorted(p.name for p in tmp_path.iterdir())) or real_code())
+    monkeypatch.setattr(export_mod, "_fsync_dir", lambda path: (
+        seen.append(sorted(p.name for p in tmp_path.iterdir())) if path == tmp_path else None,
+        real_fsync_dir(path))[1])
+    export_drafter(_drafter(qwen3_target, layers=2), qwen3_target, dest)
+    export_drafter(_drafter(qwen3_target, layers=2, seed=1), qwen3_target, dest)
+    shapes = [[name.split("-")[0] if name.startswith(".") else name for name in names] for names in seen]
+    # first export: writing the temporary, then the rename; second: writing beside the old one, then both moves
+    assert shapes == [[".export.tmp"], ["export"], [".export.tmp", "export"], [".export.old", "export"]], seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_a_failure_after_the_rename_is_reported_as_itself(qwen3_target, tmp_path, monkeypatch):
+    """A failure after the temporary became the export (syncing the parent directory) surfaces with its own
+    message: the clean-up of a temporary that is no longer there must not replace it."""
+    import trainer.export as export_mod
+
+    real = export_mod._fsync_dir
+
+    def fsync_dir(path):
+        if path == tmp_path:
+            raise OSError("I/O error syncing the parent")
+        real(path)
+
+    monkeypatch.setattr(export_mod, "_fsync_dir", fsync_dir)
+    with pytest.raises(OSError) as info:
+        export_drafter(_drafter(qwen3_target, layers=2), qwen3_target, tmp_path / "export")
+    assert str(info.value) == "I/O error syncing the parent"
+
+
+def test_token_ids_that_are_not_ints_or_lists_or_missing_are_written_as_null(qwen3_target):
+    from trainer.export import draft_config_dict
+
+    drafter, tcfg = _drafter(qwen3_target, layers=2), qwen3_target.config
+    bos, eos = tcfg.bos_token_id, tcfg.eos_token_id
+    try:
+        # transformers 4.57 (which pyproject allows) keeps whatever a config.json holds; 5.x validates on
+        # setattr, so the test writes the attribute's slot directly.
+        vars(tcfg)["eos_token_id"] = "2"
+        del tcfg.bos_token_id
+        got = draft_config_dict(drafter, qwen3_target)
+        assert (got["bos_token_id"], got["eos_token_id"]) == (None, None)
+    finally:
+        tcfg.bos_token_id, tcfg.eos_token_id = bos, eos

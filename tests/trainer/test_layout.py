@@ -124,3 +124,86 @@ def test_a_config_across_nodes_needs_a_rendezvous_host_and_port():
     for bad in ("10.0.0.200", "10.0.0.200:0", ":29400", "host:99999", "host:http"):
         with pytest.raises(ValidationError, match="must be HOST:PORT with a port 1-65535"):
             LayoutConfig(nodes=nodes, rendezvous=bad)
+
+
+# What a user reads when a layout is refused, in full (the messages name the field and the fix), and the
+# rank arithmetic at its edges: the colocated layout, the last rank, one past it, a 1+1 node.
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target_gpus=[0, 1], drafter_gpus=[1, 2]),
+     "GPU(s) [1] are in both target_gpus and drafter_gpus; each GPU runs one process: move them to one list"),
+    (dict(target_gpus=[0], drafter_gpus=[1, 1]), "drafter_gpus lists a GPU twice: [1, 1]"),
+    (dict(target_gpus=[0], drafter_gpus=[True]), "drafter_gpus must be GPU indices >= 0, got [True]"),
+    (dict(target_gpus=[-1], drafter_gpus=[1]), "target_gpus must be GPU indices >= 0, got [-1]"),
+    (dict(target_gpus=[0]), "give both target_gpus and drafter_gpus (split layout) or neither (colocated single process)"),
+    (dict(target_gpus=[0], drafter_gpus=[1], num_target_procs=1),
+     "num_target_procs/num_drafter_procs are for CPU layouts; with GPUs the lists decide"),
+    (dict(target_gpus=[0], drafter_gpus=[1], num_drafter_procs=2),
+     "num_target_procs/num_drafter_procs are for CPU layouts; with GPUs the lists decide"),
+    (dict(num_target_procs=1), "give both num_target_procs and num_drafter_procs, or neither"),
+])
+def test_a_refused_layout_says_exactly_what_and_how_to_fix_it(kwargs, message):
+    with pytest.raises(LayoutError) as exc:
+        Layout(**kwargs)
+    assert str(exc.value) == message
+
+
+_TWO_NODES = (NodeSpec(target_gpus=(0,)), NodeSpec(drafter_gpus=(0,)))
+
+
+@pytest.mark.parametrize("nodes, top, message", [
+    ((NodeSpec(target_gpus=(0,), num_drafter_procs=1), NodeSpec(drafter_gpus=(1,))), {},
+     "nodes[0]: num_target_procs/num_drafter_procs are for CPU nodes; with GPUs the lists decide"),
+    ((NodeSpec(target_gpus=(0,)), NodeSpec(num_target_procs=1)), {},
+     "some nodes list GPUs and others CPU process counts: a run is all GPUs or all CPU"),
+    ((NodeSpec(drafter_gpus=(0,)), NodeSpec(drafter_gpus=(0,))), {},
+     "the nodes together need at least one target rank and one drafter rank"),
+] + [
+    (_TWO_NODES, {field: value}, "a layout with `nodes` lists every GPU under its node: drop the top-level "
+                                 "target_gpus/drafter_gpus/num_*_procs")
+    for field, value in (("target_gpus", (1,)), ("drafter_gpus", (1,)), ("num_target_procs", 1),
+                         ("num_drafter_procs", 1))
+])
+def test_a_refused_layout_across_nodes_says_exactly_what(nodes, top, message):
+    with pytest.raises(LayoutError) as exc:
+        Layout(nodes=nodes, **top)
+    assert str(exc.value) == message
+
+
+def test_a_layout_is_a_hashable_value_of_tuples_whatever_sequences_it_was_given():
+    lay = Layout(target_gpus=[0], drafter_gpus=[1])
+    assert (lay.target_gpus, lay.drafter_gpus) == ((0,), (1,))
+    nodes = Layout(nodes=[NodeSpec(target_gpus=[0], drafter_gpus=[1]), NodeSpec(drafter_gpus=[0])])
+    assert nodes.nodes == (NodeSpec(target_gpus=(0,), drafter_gpus=(1,)), NodeSpec(drafter_gpus=(0,)))
+    assert hash(lay) == hash(Layout(target_gpus=(0,), drafter_gpus=(1,))) and hash(nodes)
+
+
+def test_a_node_with_as_many_targets_as_drafters_runs_both():
+    lay = Layout(nodes=(NodeSpec(target_gpus=(3,), drafter_gpus=(5,)), NodeSpec(drafter_gpus=(2,), name="b")))
+    assert lay.placements() == (Placement(0, 0, 3), Placement(0, 1, 5), Placement(1, 0, 2))
+    assert lay.describe_rank(2) == "rank 2 (drafter, node 1 (b), local rank 0)"
+    assert lay.describe_rank(1) == "rank 1 (drafter, node 0, local rank 1)"
+
+
+def test_ranks_and_nodes_outside_the_layout_are_refused_by_number():
+    one = Layout(target_gpus=[0, 1, 2, 3, 4], drafter_gpus=[5, 6, 7])
+    assert one.describe_rank(7) == "rank 7 (drafter)" and one.describe_rank(0) == "rank 0 (target)"
+    for call, message in ((lambda: one.role(8), "rank 8 outside world size 8"),
+                          (lambda: one.node_ranks(1), "node 1 outside the layout's 1 node(s)"),
+                          (lambda: one.rank_of(0, 8), "local rank 8 outside node 0's 8 rank(s)"),
+                          (lambda: one.drafter_index(4), "rank 4 is a target rank")):
+        with pytest.raises(LayoutError) as exc:
+            call()
+        assert str(exc.value) == message
+    assert one.drafter_index(5) == 0 and one.rank_of(0, 7) == 7
+
+
+def test_the_colocated_layout_is_rank_0_on_node_0_without_a_gpu():
+    lay = Layout()
+    assert lay.placements() == (Placement(node=0, local_rank=0, gpu=None),)
+    assert lay.place(0) == Placement(node=0, local_rank=0, gpu=None) and lay.gpu(0) is None
+    assert lay.target_ranks() == [0] and lay.drafter_ranks() == [0] and lay.drafter_index(0) == 0
+    assert lay.node_ranks(0) == [0] and lay.rank_of(0, 0) == 0 and lay.describe_rank(0) == "rank 0 (colocated)"
+    assert lay.env(0) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert NodeSpec().label(0) == "node 0" and NodeSpec(name="ct201").label(1) == "node 1 (ct201)"

@@ -217,6 +217,28 @@ def test_flex_backend_refuses_cpu_training_with_a_fix(qwen3_target):
     assert torch.isfinite(out.loss)
 
 
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_the_loss_builds_the_mask_for_the_configured_backend(backend, qwen3_target):
+    """The drafter attends through the mask the loss builds (a BlockMask runs flex, a bool tensor SDPA): the mask
+    must follow the configured backend, not the device's default (SDPA on CPU, flex on CUDA: `sdpa` chosen on a
+    GPU would silently run flex). Evaluation-style (no grad), where flex runs on CPU too."""
+    from trainer.attention import BlockMask
+
+    if BlockMask is None:
+        pytest.skip("this torch has no flex_attention (torch < 2.5)")
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(small_model_config(attention_backend=backend), qwen3_target, MASK_ID)
+    masks = []
+    drafter.register_forward_pre_hook(lambda module, args: masks.append(args[3]))
+    with torch.no_grad():
+        dflash_loss(drafter, _hand_batch(), num_anchors=3, gamma=GAMMA, anchors=(ANCHORS, KEEP))
+    assert len(masks) == 1
+    if backend == "flex":
+        assert isinstance(masks[0], BlockMask)
+    else:
+        assert masks[0].dtype == torch.bool and masks[0].shape[-2:] == (3 * BS, 12 + 3 * BS)
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="loss_mask has shape"):
         PackedBatch(torch.zeros(1, 4), torch.zeros(1, 5), torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1, 4, 8))
