@@ -148,7 +148,10 @@ def _prepare(name: str, spec: dict, scratch: Path) -> Path:
         "pytest_add_cli_args_test_selection": spec["tests"],
         # pytest_mutation.py (copied to plugins/, on PYTHONPATH): a mutant's tests run fastest first, so `-x`
         # stops at a cheap failure, and the libraries the tests import are imported once, not in every fork.
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "pytest_mutation", "-q", "-W", "ignore"],
+        # no:unraisableexception: its five gc.collect() per session were most of a quick mutant's time;
+        # no:benchmark: pytest-benchmark asks git and hg for the project name at every start (no test here times).
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:unraisableexception", "-p", "no:benchmark",
+                                "-p", "pytest_mutation", "-q", "-W", "ignore"],
         # A mutant that loops forever is stopped at 4x its tests' time (+1 s) instead of mutmut's 15x.
         "timeout_multiplier": 4.0,
     }
