@@ -88,7 +88,8 @@ MODULES: dict[str, dict] = {
         "functions": ["orchestrator.agent.runs.xǁLaunchLockǁ*"],
         "tests": ["tests/orchestrator/agent/test_claims_unit.py"],
     },
-    "gpu claims": {
+    "gpu claims": {  # --full only: issue 14 names the launch lock, not the claims (~4 min here)
+        "full": True,
         "files": ["orchestrator/agent/claims.py"],
         "functions": ["orchestrator.agent.claims.x__conflicts__*", "orchestrator.agent.claims.x_claim__*",
                       "orchestrator.agent.claims.x_claim_alive__*", "orchestrator.agent.claims.x_held__*",
@@ -146,29 +147,41 @@ def _prepare(name: str, spec: dict, scratch: Path) -> Path:
         "also_copy": ["templates"],  # orchestrator.assets reads them beside the package
         "only_mutate": spec["files"],
         "pytest_add_cli_args_test_selection": spec["tests"],
-        # pytest_mutation.py (copied to plugins/, on PYTHONPATH): a mutant's tests run fastest first, so `-x`
-        # stops at a cheap failure, and the libraries the tests import are imported once, not in every fork.
-        # no:unraisableexception: its five gc.collect() per session were most of a quick mutant's time;
-        # no:benchmark: pytest-benchmark asks git and hg for the project name at every start (no test here times).
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:unraisableexception", "-p", "no:benchmark",
-                                "-p", "pytest_mutation", "-q", "-W", "ignore"],
+        # Each mutant starts pytest anew: only hypothesis' plugin is loaded (run with autoload off), and not
+        # unraisableexception, whose five gc.collect() at every session's end were most of a quick mutant's time.
+        "pytest_add_cli_args": ["-p", "_hypothesis_pytestplugin", "-p", "no:cacheprovider",
+                                "-p", "no:unraisableexception", "-q", "-W", "ignore"],
         # A mutant that loops forever is stopped at 4x its tests' time (+1 s) instead of mutmut's 15x.
         "timeout_multiplier": 4.0,
     }
     text = (REPO / "pyproject.toml").read_text()
     text += "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items())
     (root / "pyproject.toml").write_text(text)
-    (root / "plugins").mkdir()
-    shutil.copy(Path(__file__).with_name("pytest_mutation.py"), root / "plugins")
     return root
+
+
+# `python -m mutmut ARGS` without its "clean tests" run: mutmut runs the whole selection once more on the
+# unmutated code in case its baseline (stats) was loaded from an earlier run; here every run starts from a fresh
+# scratch copy, so the baseline has just run those tests, and mutmut stops (exit 1) if any failed there. mutmut
+# forks each mutant from the process that ran the baseline (its default "fork" isolation), so everything the
+# tests import is imported once, and it runs a mutant's tests fastest first, stopping at the first failure.
+_MUTMUT = """
+import runpy, sys
+from mutmut.workers.isolation import ForkRunner
+ForkRunner.run_clean_tests = lambda self, tests: 0
+sys.argv = ["mutmut", *sys.argv[1:]]
+runpy.run_module("mutmut", run_name="__main__", alter_sys=True)
+"""
 
 
 def _run_module(name: str, spec: dict, scratch: Path, log) -> tuple[Path, float]:
     root = _prepare(name, spec, scratch)
-    # Only the plugin's folder: mutmut puts mutants/ first itself, and a checkout on the path would shadow it.
-    env = {**os.environ, "PYTHONPATH": str(root / "plugins")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts mutants/ first itself
+    # Plugins by name only (see pytest_add_cli_args in _prepare): finding the installed ones took ~0.3 s of
+    # every mutant's pytest start.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     start = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "mutmut", "run", *spec["functions"]], cwd=root, env=env,
+    res = subprocess.run([sys.executable, "-c", _MUTMUT, "run", *spec["functions"]], cwd=root, env=env,
                          stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - start
     if res.returncode != 0:
@@ -246,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [o for o in args.only if not any(o in (m, m.split()[0]) for m in MODULES)]
         if unknown:
             ap.error(f"unknown module(s) {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, MODULES))}")
-        wanted = [m for m in wanted if m in args.only or m.split()[0] in args.only]
+        # a first word names every module it starts, but a --full one only with --full or by its whole name
+        wanted = [m for m in (CI if args.ci else MODULES) if m in args.only
+                  or (m.split()[0] in args.only and (args.full or not MODULES[m].get("full")))]
     equivalent = load_equivalent()
     args.scratch = args.scratch.resolve()
     args.scratch.mkdir(parents=True, exist_ok=True)

@@ -84,6 +84,7 @@ def test_each_refusal_says_what_and_where():
     (["echo", "a b", "it's", ""], "echo 'a b' 'it'\"'\"'s' ''"),  # no control character: render's quoting
     (["printf", "a b\n"], "printf $'a b\\n'"),  # a space stays a space inside $'...'
     (["x", "\t\r\\'\x1b\x7f\x1f "], "x $'\\t\\r\\\\\\'\\x1b\\x7f\\x1f '"),
+    (["x", "a\x7fb"], "x $'a\\x7fb'"),  # DEL alone (0x7F, above the < 0x20 range) is a control character too
 ])
 def test_render_line_golden(argv, expected):
     from orchestrator.quoting import render_line

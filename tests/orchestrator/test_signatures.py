@@ -379,3 +379,30 @@ def test_lines_fed_with_their_newline_and_progress_bars_before_a_header(catalogu
     # the header starts the event at its own segment: no progress text, no newline kept, line 2
     assert ev.lines == ["Traceback (most recent call last):", *FRAME, "ValueError: boom"]
     assert (ev.line_no, ev.end_line_no, ev.exception) == (2, 5, "ValueError: boom")
+
+
+OOM_LINE = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB."
+
+
+def test_only_this_runs_own_lines_are_skipped_not_any_line_of_their_shape(catalogue):
+    """With the run's mark known, only lines with that mark are dflashctl's own; a line of the same shape with
+    another mark (a job that runs dflashctl itself) is the job's output and is matched like any other."""
+    def events(line):
+        m = Matcher(catalogue, mark="0123456789abcdef")
+        return m.feed_line(line) + m.finish()
+
+    assert events(f"[dflashctl 0123456789abcdef] {OOM_LINE}") == []
+    [other] = events(f"[dflashctl fedcba9876543210] {OOM_LINE}")
+    assert (other.signature, other.kind, other.line_no) == ("cuda-oom", "line", 1)
+
+
+def test_a_line_holding_two_ranks_tracebacks_follows_the_first_ranks_tag(catalogue):
+    """Two ranks' headers glued on one line (a rank wrote without its newline): the traceback is the first
+    one's, tagged `[rank0]: `, and its next tagged lines complete it."""
+    lines = ["[rank0]: Traceback (most recent call last):[rank1]: Traceback (most recent call last):",
+             '[rank0]:   File "/x/loop.py", line 10, in step', "[rank0]:     loss.backward()",
+             "[rank0]: ValueError: no layer X"]
+    [event] = run_lines(catalogue, "\n".join(lines))
+    assert (event.signature, event.line_no, event.end_line_no) == (UNCLASSIFIED, 1, 4)
+    # the exception line keeps every character (only the newline is cut)
+    assert event.exception == "ValueError: no layer X" and event.last_frame.function == "step"
