@@ -38,7 +38,10 @@ EQUIVALENT = Path(__file__).with_name("equivalent.yaml")
 # One mutmut run per module: the file it mutates, the functions in it (mutmut's names:
 # package.module.x_function / package.module.xǁClassǁmethod), and the fast unit tests that exercise them
 # (tests that run the code in another process, through the console script, ssh or a container, cannot see a
-# mutant: they stay in the main suite). `ci`: in the selection CI mutates (see CI below).
+# mutant: they stay in the main suite). `full`: only with --full. The default run is the modules issue 14
+# names (names, quoting, the tailer's offsets and the follow's, signatures, the loss, export, layout, the
+# launch lock): about 15 min on this 2-core machine. Where a module lists functions, those are the ones whose
+# mistakes reach the user (a wrong offset, a wrong loss, a wrong file); the comment says what is left out.
 MODULES: dict[str, dict] = {
     "names": {
         "files": ["orchestrator/names.py"],
@@ -67,10 +70,12 @@ MODULES: dict[str, dict] = {
     },
     "signatures (matcher)": {  # grouping a traceback into one event: chained exceptions, rank prefixes, winner
         "files": ["orchestrator/signatures.py"],
+        # Not _Traceback.__init__: it stores its arguments; of its 18 mutants 13 fail every grouping test and 5
+        # are equivalent, each of those running the property tests in full (a minute of this module's time).
         "functions": ["orchestrator.signatures.xǁMatcherǁfeed_line__*", "orchestrator.signatures.xǁMatcherǁ_absorb__*",
                       "orchestrator.signatures.xǁMatcherǁ_close__*", "orchestrator.signatures.xǁMatcherǁ_close_then__*",
                       "orchestrator.signatures.xǁMatcherǁ_idle_line__*", "orchestrator.signatures.xǁMatcherǁfinish__*",
-                      "orchestrator.signatures.xǁ_Tracebackǁ*", "orchestrator.signatures.x__same_tag__*",
+                      "orchestrator.signatures.xǁ_Tracebackǁadd__*", "orchestrator.signatures.x__same_tag__*",
                       "orchestrator.signatures.x__winner__*"],
         "tests": ["tests/orchestrator/test_signatures.py", "tests/orchestrator/test_signatures_property.py",
                   "-k", "not clean_100k_line_log"],
@@ -98,6 +103,9 @@ MODULES: dict[str, dict] = {
     },
     "objective (loss)": {
         "files": ["trainer/objective.py", "trainer/config.py"],
+        # What the loss is for given anchors: the drafter's inputs, the labels and γ-decayed weights, the
+        # weighted mean, γ's default and the config's γ. Not anchor sampling (random by design; its own tests are
+        # exact) nor the accuracy metrics (reported, never trained on).
         "functions": ["trainer.objective.x_dflash_loss__*", "trainer.objective.x_block_labels__*",
                       "trainer.objective.x_block_inputs__*", "trainer.config.x_default_gamma__*",
                       "trainer.config.xǁTrainConfigǁresolved_gamma__*"],
@@ -105,9 +113,15 @@ MODULES: dict[str, dict] = {
     },
     "export": {
         "files": ["trainer/export.py"],
+        # config.json field by field and the atomic write; not reference_code (reads package data: a mistake
+        # fails every export test) nor the two fsync helpers (their loss shows only on a power cut).
         "functions": ["trainer.export.x_draft_config_dict__*", "trainer.export.x_export_drafter__*"],
+        # The reload through AutoModel with the RoPE base 1e6 target only: the qwen3 and llama variants run the
+        # same export code (the main suite runs them); each took seconds for every mutant that reached it.
         "tests": ["tests/trainer/test_export.py",
-                  "-k", "not published_decode_loop and not bundle_zip and not self_contained and not flex_backend"],
+                  "-k", "not published_decode_loop and not bundle_zip and not self_contained and not flex_backend",
+                  "--deselect", "tests/trainer/test_export.py::test_reload_drafts_the_same_tokens[qwen3]",
+                  "--deselect", "tests/trainer/test_export.py::test_reload_drafts_the_same_tokens[llama]"],
     },
     "layout": {
         "files": ["trainer/layout.py"],
@@ -117,8 +131,8 @@ MODULES: dict[str, dict] = {
 }
 
 # What CI mutates (after the main suite, which already takes 11-20 min of CI's 30): see CI_NOTE.
-CI: list[str] = ["names", "tailer (offsets)"]
-CI_NOTE = "names and the tailer's offsets: about 10 min on a loaded 2-core machine"
+CI: list[str] = ["names", "quoting", "tailer (offsets)"]
+CI_NOTE = "names, quoting and the tailer's offsets: about 2.5 min on a loaded 2-core machine"
 
 # Floors (percent) from the first honest run, raised as tests are added; the script fails below them.
 FLOORS = {

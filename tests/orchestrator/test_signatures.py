@@ -400,9 +400,10 @@ def test_a_line_holding_two_ranks_tracebacks_follows_the_first_ranks_tag(catalog
     """Two ranks' headers glued on one line (a rank wrote without its newline): the traceback is the first
     one's, tagged `[rank0]: `, and its next tagged lines complete it."""
     lines = ["[rank0]: Traceback (most recent call last):[rank1]: Traceback (most recent call last):",
-             '[rank0]:   File "/x/loop.py", line 10, in step', "[rank0]:     loss.backward()",
+             '[rank0]:   File "/x/loop.py", line 10, in step', "[rank0]:     loss.backward()  ",
              "[rank0]: ValueError: no layer X"]
     [event] = run_lines(catalogue, "\n".join(lines))
     assert (event.signature, event.line_no, event.end_line_no) == (UNCLASSIFIED, 1, 4)
-    # the exception line keeps every character (only the newline is cut)
-    assert event.exception == "ValueError: no layer X" and event.last_frame.function == "step"
+    # every line is kept as written, trailing blanks and a final X too (only the newline is cut)
+    assert event.lines == lines and event.exception == "ValueError: no layer X"
+    assert event.last_frame.function == "step"
