@@ -175,7 +175,8 @@ def test_doctor_names_a_driver_too_old_for_the_venvs_torch(pve, tmp_path, claim_
     res = dflashctl("-i", str(tmp_path / "inv.yaml"), "doctor", "-t", "ct")
     assert res.returncode == 1, res.stdout + res.stderr
     out = " ".join(res.stdout.split())
-    assert "550.54.15" in out and "CUDA 12.4" in out and "dflashctl lock cuda --extra-index-url" in out
+    # The fix's dflashctl commands carry the -i the user gave (the table may wrap the path itself).
+    assert "550.54.15" in out and "CUDA 12.4" in out and "dflashctl -i " in out and "lock cuda --extra-index-url" in out
 
     # A driver that runs CUDA 13 passes; so does a torch for CUDA 12.6 on the R550 driver (minor-version
     # compatibility), and a CPU torch.
