@@ -47,17 +47,20 @@ def write_inventory(tmp_path: Path) -> Path:
 
 def imported_by(*args: str, inventory: Path | None = None) -> list[str]:
     """The top-level packages a fresh interpreter has imported after `dflashctl ARGS` (`-i inventory` first),
-    among those this project's commands import only when they use them."""
+    among those this project's commands import only when they use them; what `import typer` itself brings is
+    typer's, not ours (typer releases before 0.20 import rich with themselves, later ones do not)."""
     watched = (*HEAVY, "pydantic", "yaml", "rich", "platformdirs", "plotext", "trainer")
     code = textwrap.dedent(
         """
         import json, sys
+        import typer
+        typers = {m.split(".")[0] for m in sys.modules}
         from orchestrator.cli import main
         try:
             main(sys.argv[1:])
         except SystemExit:
             pass
-        print("MODULES=" + json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(%r))))
+        print("MODULES=" + json.dumps(sorted(({m.split(".")[0] for m in sys.modules} - typers) & set(%r))))
         """ % (watched,)
     )
     argv = [*(["-i", str(inventory)] if inventory else []), *args]
