@@ -55,17 +55,42 @@ def test_eval_prints_tau_per_mode_and_writes_the_report(assets, tmp_path):
     assert f"τ {report['tau']:.3f} (greedy chain, {export})" in done.stdout and f"wrote {out}" in done.stdout
 
 
-def test_eval_names_bad_input(assets, tmp_path):
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error: ")]
+
+
+def test_eval_names_bad_input_through_the_module_entry(assets, tmp_path):
+    """What the user runs, `python -m trainer eval`: exit 2, one `error:` line, no traceback."""
     tiny, export = assets
-    base = ["--target", str(tiny.target_dir), "--prompts", str(tiny.eval_file), "--max-new-tokens", "4"]
-    done = _eval("--export", str(tiny.target_dir), *base)
-    assert done.returncode == 2 and "not an exported drafter (missing dflash.py)" in done.stderr
-    done = _eval("--export", str(export), *base, "--budgets", "0,8")
-    assert done.returncode == 2 and "--budgets: budgets must be >= 1" in done.stderr, done.stderr
-    done = _eval("--export", str(export), *base, "--temperatures", "hot")
-    assert done.returncode == 2 and "--temperatures 'hot': expected comma-separated numbers" in done.stderr
-    done = _eval("--export", str(export), "--target", str(tmp_path), "--prompts", str(tiny.eval_file))
-    assert done.returncode == 2 and "no HF model directory there (no config.json)" in done.stderr
     done = _eval("--export", str(export), "--target", str(tiny.target_dir), "--prompts", str(tmp_path / "none.jsonl"))
     assert done.returncode == 2 and "none.jsonl: no such prompt file" in done.stderr
+    assert _error_lines(done.stderr) == [next(l for l in done.stderr.splitlines() if "no such prompt" in l)]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("case, message", [
+    ("not-an-export", "not an exported drafter (missing dflash.py)"),
+    ("budget-0", "--budgets: budgets must be >= 1"),
+    ("hot", "--temperatures 'hot': expected comma-separated numbers"),
+    ("no-config", "no HF model directory there (no config.json)"),
+])
+def test_eval_names_bad_input(assets, tmp_path, capsys, case, message):
+    """The same entry (`trainer.__main__.main`) in this process: each bad argument is exit 2 and its message."""
+    from trainer.__main__ import main
+
+    tiny, export = assets
+    base = ["--prompts", str(tiny.eval_file), "--max-new-tokens", "4", "--device", "cpu"]
+    args = {
+        "not-an-export": ["--export", str(tiny.target_dir), "--target", str(tiny.target_dir)],
+        "budget-0": ["--export", str(export), "--target", str(tiny.target_dir), "--budgets", "0,8"],
+        "hot": ["--export", str(export), "--target", str(tiny.target_dir), "--temperatures", "hot"],
+        "no-config": ["--export", str(export), "--target", str(tmp_path)],
+    }[case]
+    threads = torch.get_num_threads()  # main() sets a CPU rank's threads: give the rest of the suite its own back
+    try:
+        assert main(["eval", *args, *base]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    [line] = _error_lines(err)
+    assert message in line, err
