@@ -92,3 +92,11 @@ def stock_cpu_venv(fake_pve, tmp_path_factory):
             os.environ["DFLASHCTL_STATE_DIR"] = old
     yield Path(ct.workdir) / "venvs" / report.venv, report.lock_hash
     fake_pve.remove_container(399)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """One DFLASH_TINY_CACHE for the session: the tiny assets are keyed by their config's hash and built under a
+    lock, so tests that ask for the same tiny target share one build instead of each making its own. A test that
+    is about building (first build, concurrent builders) keeps a cache of its own."""
+    return tmp_path_factory.mktemp("tiny-cache")
