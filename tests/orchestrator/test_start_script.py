@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import assets
+from waiting import wait_for
 
 SCRIPT = assets.on_disk("start_training.sh")
 
@@ -52,15 +53,6 @@ def ready(d: Path) -> bool:
         return (d / "pid").exists() and "\nready\n" in (d / "train.log").read_text()
     except FileNotFoundError:
         return False
-
-
-def wait_for(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.mark.parametrize("code", [0, 3])

@@ -18,6 +18,7 @@ from orchestrator.agent.protocol import AgentFailure, Emitter
 from orchestrator.agent.verbs import stop as stop_verb
 from orchestrator.names import session_name
 from orchestrator.ops.launch import LaunchSpec, launch
+from waiting import wait_for
 
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
@@ -37,16 +38,6 @@ WHO = {"by": "alice@ws-[1]", "via": "dflashctl stop"}
 def spec(experiment: str, argv: list[str]) -> LaunchSpec:
     return LaunchSpec(experiment=experiment, kind="command", target="local", command=argv,
                       venv_profile={"kind": "workstation"})
-
-
-def wait_for(pred, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def stop(workdir: str, run_id: str, **request) -> tuple[dict, list[dict]]:

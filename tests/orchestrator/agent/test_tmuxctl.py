@@ -4,7 +4,6 @@ agent has under a stock python3 before any venv exists)."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -12,6 +11,7 @@ from orchestrator.agent import tmuxctl
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.tmuxctl import parse_panes
 from orchestrator.quoting import render
+from waiting import wait_for
 
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
@@ -23,16 +23,6 @@ def backend(request, monkeypatch):
     if request.param == "cli":
         monkeypatch.setattr(tmuxctl, "_server", lambda: tmuxctl._CliServer())
     return request.param
-
-
-def wait_for(pred, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def dead(name: str):

@@ -16,6 +16,7 @@ from orchestrator.agent import runs as agent_runs
 from orchestrator.ops.launch import LaunchSpec, launch
 from orchestrator.ops.status import status
 from orchestrator.target import ContainerTarget
+from waiting import wait_for
 
 STUBBORN = [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"]
@@ -32,16 +33,6 @@ pytestmark = pytest.mark.usefixtures("isolated_tmux")
 def spec(experiment: str, argv: list[str], **kw) -> LaunchSpec:
     return LaunchSpec(experiment=experiment, kind="command", target=kw.pop("target", "local"), command=argv,
                       venv_profile={"kind": "workstation"}, **kw)
-
-
-def wait_for(pred, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
 
 def test_state_of_covers_every_case():
