@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -15,21 +16,25 @@ import pytest
 
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
-# Prints, then stays silent past hang_seconds while its session lives, then ends well.
-SILENT = "import time; print('started', flush=True); time.sleep(14); print('done', flush=True)"
+# Prints, then stays silent while its session lives until the test creates the file named by $1 (once both
+# follows have shown their hang alert; a shell, not python: no interpreter start-up inside the silence), then
+# ends well. The 300 s cap only keeps a broken test from leaving a run behind.
+SILENT = ["sh", "-c", 'echo started; i=0; while [ ! -e "$1" ] && [ $i -lt 6000 ]; do sleep 0.05; i=$((i+1)); done; '
+          'echo done', "silent"]
+HANG_SECONDS = 3
 # A real crash the catalogue knows (missing-module).
 CRASH = "print('step 1', flush=True); import accelerate_not_installed_here"
 
 
 def _inventory(tmp_path: Path) -> Path:
     inv = tmp_path / "inv.yaml"
-    exps = {"silent": [sys.executable, "-c", SILENT], "crash": [sys.executable, "-c", CRASH]}
+    exps = {"silent": [*SILENT, str(tmp_path / "release")], "crash": [sys.executable, "-c", CRASH]}
     inv.write_text(textwrap.dedent(f"""\
         targets:
           local: {{kind: local, workdir: {json.dumps(str(tmp_path / 'work'))}, venv: workstation}}
         venvs:
           workstation: {{kind: workstation}}
-        monitor: {{hang_seconds: 8}}
+        monitor: {{hang_seconds: {HANG_SECONDS}}}
         experiments:
         """) + "".join(f"  {name}: {{kind: command, target: local, command: {json.dumps(argv)}}}\n"
                        for name, argv in exps.items()))
@@ -58,6 +63,34 @@ def _diagnosis(stderr: str) -> list[str]:
     return block
 
 
+class _Follow:
+    """`dflashctl ARGS` started in the background; its stdout and stderr lines are collected as they come."""
+
+    def __init__(self, exe: str, env: dict, *args: str):
+        self.proc = subprocess.Popen([exe, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, stdin=subprocess.DEVNULL)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.readers = [threading.Thread(target=self._read, args=(pipe, lines), daemon=True)
+                        for pipe, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(pipe, lines: list[str]) -> None:
+        for line in pipe:
+            lines.append(line.rstrip("\n"))
+
+    def alerted(self) -> bool:
+        return any(line.startswith("alert (hang): ") for line in self.err)
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout=timeout)
+        for reader in self.readers:
+            reader.join(timeout)
+        return code
+
+
 def test_hang_alert_states_hang_seconds_in_both_follows(tmp_path, dflashctl):
     inv = _inventory(tmp_path)
     import os
@@ -65,20 +98,31 @@ def test_hang_alert_states_hang_seconds_in_both_follows(tmp_path, dflashctl):
 
     exe = shutil.which("dflashctl")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), COLUMNS="200")
-    launched = subprocess.Popen([exe, "--inventory", str(inv), "launch", "silent", "--follow"], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    launched = _Follow(exe, env, "--inventory", str(inv), "launch", "silent", "--follow")
+    logs = None
     try:
         run_id = _newest_run(tmp_path)
-        logs = dflashctl("--inventory", str(inv), "logs", run_id, "--follow", timeout=120)
-        out, err = launched.communicate(timeout=120)
+        logs = _Follow(exe, env, "--inventory", str(inv), "logs", run_id, "--follow")
+        # The run stays silent until both follows have alerted (an event, not a sleep): however loaded the
+        # machine, each follow sees a silence of hang_seconds and more.
+        deadline = time.monotonic() + 120
+        while not (launched.alerted() and logs.alerted()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (tmp_path / "release").touch()
+        launched.wait(120)
+        logs.wait(120)
     finally:
-        launched.kill()
-    for name, code, stderr in (("launch --follow", launched.returncode, err), ("logs --follow", logs.returncode, logs.stderr)):
-        alerts = [line for line in stderr.splitlines() if line.startswith("alert (hang): ")]
+        (tmp_path / "release").touch()
+        for follow in (launched, logs):
+            if follow is not None:
+                follow.proc.kill()
+    for name, follow in (("launch --follow", launched), ("logs --follow", logs)):
+        stderr = "\n".join(follow.err)
+        alerts = [line for line in follow.err if line.startswith("alert (hang): ")]
         assert len(alerts) == 1, (name, stderr)
-        assert "(hang_seconds: 8 s;" in alerts[0], (name, alerts[0])
-        assert code == 0 and f"run {run_id}: succeeded (exit code 0)" in stderr, (name, stderr)
-    assert "started" in out.splitlines() and "done" in out.splitlines()
+        assert f"(hang_seconds: {HANG_SECONDS} s;" in alerts[0], (name, alerts[0])
+        assert follow.proc.returncode == 0 and f"run {run_id}: succeeded (exit code 0)" in stderr, (name, stderr)
+    assert "started" in launched.out and "done" in launched.out
 
 
 def test_crash_diagnosis_is_printed_identically_by_both_follows(tmp_path, dflashctl):
