@@ -67,6 +67,7 @@ class _Progress:
 def _print_report(tname: str, pname: str, report, inventory: str | None) -> None:
     """The rebuild-venv report as text (warnings with their fixes on stderr, with the user's -i)."""
     from orchestrator.errors import with_inventory
+    from orchestrator.quoting import render
     from orchestrator.render import console
 
     out = console()
@@ -89,7 +90,8 @@ def _print_report(tname: str, pname: str, report, inventory: str | None) -> None
                   f"{report.wall_s:.1f}s ({env})")
         out.print(f"  steps: {', '.join(f'{k} {v}' for k, v in secs.items())}")
         if report.previous:
-            out.print(f"  previous: {report.previous} (dflashctl rebuild-venv --rollback)")
+            back = with_inventory(render(["dflashctl", "rebuild-venv", "--target", tname, "--rollback"]), inventory)
+            out.print(f"  previous: {report.previous} ({back})")
         if report.pruned:
             out.print(f"  removed old venvs: {', '.join(report.pruned)}")
         if report.carried:
@@ -114,7 +116,10 @@ def rebuild_venv_cmd(
     from orchestrator.render import print_json
 
     if rollback and (force or offline):
-        raise UserError("--rollback takes no --force or --offline", fix="dflashctl rebuild-venv --rollback")
+        from orchestrator.quoting import render
+
+        again = ["dflashctl", "rebuild-venv", *(["--target", target] if target else []), "--rollback"]
+        raise UserError("--rollback takes no --force or --offline", fix=render(again))
     inv = options.load(ctx)
     with _Progress(quiet=as_json) as view:
         tname, pname, report = rebuild(inv, target, profile, offline=offline, force=force, rollback=rollback,

@@ -384,9 +384,12 @@ def test_the_rebuild_venv_verb_through_the_installed_cli(dflashctl, tmp_path):
         r = run("--force", "--offline")
         assert r.returncode == 0, r.stderr
         second = os.readlink(wd / "venvs" / "current")
-        assert second != first and f"  previous: {first} (dflashctl rebuild-venv --rollback)" in r.stdout.splitlines()
+        back = f"dflashctl -i {inv} rebuild-venv --target local --rollback"  # pasteable: this inventory, this target
+        assert second != first and f"  previous: {first} ({back})" in r.stdout.splitlines()
 
-        r = run("--rollback")
+        # pasted as printed, in a 40-column terminal: rich wraps nothing of ours (its report is still one line)
+        r = subprocess.run(["bash", "-c", back], capture_output=True, text=True, timeout=1200,
+                           env=dict(os.environ, COLUMNS="40"))
         assert r.returncode == 0, r.stderr
         assert r.stdout.splitlines() == [f"local: current -> {first} {env}; was {second}"]
         assert os.readlink(wd / "venvs" / "current") == first
