@@ -19,11 +19,12 @@ STATUS_STYLE = {"ok": "green", "fail": "bold red", "warn": "yellow", "skip": "di
 
 
 def console(stderr: bool = False):
-    """A rich Console that prints strings literally: no markup, no highlighting of numbers/paths (output
-    is data). Style goes through `text()`."""
+    """A rich Console that prints strings literally: no markup, no highlighting of numbers/paths, no line
+    breaks of its own (output is data: a command broken at the terminal's width is not pasteable; the terminal
+    wraps what is too long for it). Style goes through `text()`."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, markup=False)
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, markup=False)
 
 
 def text(*parts: str | tuple[str, str]):
@@ -84,7 +85,6 @@ class EventPrinter:
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
         self._console = console(stderr=True)
-        self._console.soft_wrap = True  # a path or command in a message stays one line (copy-pastable)
 
     def __call__(self, event) -> None:
         from orchestrator.agent.events import Progress

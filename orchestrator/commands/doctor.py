@@ -22,11 +22,14 @@ def doctor_cmd(
     if as_json:
         print_json(report.to_dict())
     else:
-        rows = [(c.name, status_text(c.status), c.detail, with_inventory(c.fix or "", options.options(ctx).inventory))
-                for c in report.checks]
+        rows = [(c.name, status_text(c.status), c.detail) for c in report.checks]
         out = console()
-        out.print(table(f"doctor: {report.target} ({report.kind}, {inv.source})",
-                        ["check", "status", "detail", "fix"], rows))
+        out.print(table(f"doctor: {report.target} ({report.kind}, {inv.source})", ["check", "status", "detail"], rows))
+        # Fixes below the table, one line each: a table cell would wrap a command at the terminal's width, and a
+        # command is only pasteable as one line.
+        for c in report.checks:
+            if c.fix:
+                out.print(f"fix for {c.name}: {with_inventory(c.fix, options.options(ctx).inventory)}")
         out.print(text(("all checks passed", "green")) if report.ok else text(("some checks failed", "bold red")))
     if not report.ok:
         raise typer.Exit(1)

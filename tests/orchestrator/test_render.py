@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from orchestrator.errors import UserError
+from orchestrator.render import console
 
 HOSTPORT, RANK, FILENAMES, BOLD = "[localhost]:2222", "[rank0]:", "filenames=[f]", "[bold]x[/]"
 LINE = f"the host key of {HOSTPORT} has CHANGED; {RANK} {FILENAMES} {BOLD}"
@@ -164,3 +165,13 @@ def test_a_changed_host_key_is_printed_with_its_brackets_and_the_fix_works(pve, 
     subprocess.run(command, shell=True, check=True, capture_output=True)  # pasted as printed
     assert known.read_text().strip() == ""
     assert dflashctl("-i", str(inv), "trust", "pve1").returncode == 0
+
+
+def test_a_long_line_is_printed_whole_in_a_narrow_terminal(monkeypatch, capsys):
+    """Output is data: a path or a command stays one line whatever the terminal's width (a line broken by rich
+    is not pasteable; the terminal itself wraps what is too long for it)."""
+    monkeypatch.setenv("COLUMNS", "40")
+    line = "fix: " + "; ".join(["dflashctl -i /a/long/path/to/inventory.yaml rebuild-venv --target ct200"] * 3)
+    console().print(line)
+    console(stderr=True).print(line)
+    assert capsys.readouterr() == (line + "\n", line + "\n")

@@ -172,11 +172,19 @@ def test_doctor_names_a_driver_too_old_for_the_venvs_torch(pve, tmp_path, claim_
                               "--target ct; or upgrade the host's NVIDIA driver to >= 580")
 
     # The installed console script prints it, as text, and fails.
-    res = dflashctl("-i", str(tmp_path / "inv.yaml"), "doctor", "-t", "ct")
+    # In a narrow terminal (60 columns) the table wraps its cells, but each fix is one whole line below it, and
+    # its dflashctl commands carry the -i the user gave: pasteable as printed.
+    res = dflashctl("-i", str(tmp_path / "inv.yaml"), "doctor", "-t", "ct", env=dict(os.environ, COLUMNS="60"))
     assert res.returncode == 1, res.stdout + res.stderr
     out = " ".join(res.stdout.split())
-    # The fix's dflashctl commands carry the -i the user gave (the table may wrap the path itself).
-    assert "550.54.15" in out and "CUDA 12.4" in out and "dflashctl -i " in out and "lock cuda --extra-index-url" in out
+    assert "550.54.15" in out  # the detail, in a wrapped cell
+    i = f"dflashctl -i {tmp_path / 'inv.yaml'}"
+    [fix] = [line for line in res.stdout.splitlines() if line.startswith(f"fix for {CUDA_CHECK}: ")]
+    assert fix == (f"fix for {CUDA_CHECK}: use a torch built for CUDA 12: {i} lock cuda --extra-index-url "
+                   "https://download.pytorch.org/whl/cu126, add https://download.pytorch.org/whl/cu126 to the venv "
+                   f"profile's extra_index_urls in the inventory, then {i} rebuild-venv --target ct; or upgrade the "
+                   "host's NVIDIA driver to >= 580 and install the same version in the container without kernel modules (sh "
+                   f"NVIDIA-Linux-x86_64-<version>.run --no-kernel-modules), then {i} doctor --target ct"), fix
 
     # A driver that runs CUDA 13 passes; so does a torch for CUDA 12.6 on the R550 driver (minor-version
     # compatibility), and a CPU torch.
