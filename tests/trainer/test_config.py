@@ -46,16 +46,17 @@ def _one_step_config(out: Path, gamma: float) -> Path:
 
 
 @pytest.mark.slow
-def test_the_configs_gamma_reaches_the_loss_the_loop_logs(tmp_path):
+def test_the_configs_gamma_reaches_the_loss_the_loop_logs(tmp_path, tiny_cache):
     """γ = 10 (the headline setting) and γ = 0.5, one step each from the same seed, data and weights: the
     first step's loss is computed before any update, so it differs only through the loss weights
     exp(-(k-1)/γ). A loop that ignored the config's γ (a constant, the default) logs the same loss twice:
     runs are deterministic on CPU (test_train's resume test holds curves equal to 1e-6)."""
-    env = dict(os.environ, DFLASH_TINY_CACHE=str(tmp_path / "tiny-cache"), PYTHONPATH=str(REPO),
-               OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-c", "from trainer.config import TinyTargetConfig as T; from trainer.tiny "
-                    f"import build_tiny; build_tiny(T(**{TINY.model_dump()!r}))"], env=env, check=True,
-                   capture_output=True, timeout=600)
+    from trainer.tiny import build_tiny
+
+    # Built here, before both runs start (they would race to build it); the session's cache, so the tiny
+    # target is built once for every test that trains on this TINY config.
+    build_tiny(TINY, cache_root=tiny_cache, log=lambda _: None)
+    env = dict(os.environ, DFLASH_TINY_CACHE=str(tiny_cache), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     procs = {}
     for gamma in (10.0, 0.5):
         out = tmp_path / f"gamma-{gamma}"
