@@ -56,6 +56,18 @@ def venvs_state(workdir: Path) -> tuple[str | None, list[str]]:
     return cur, sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
 
 
+def seed_verified_wheels(verified_in: Path, workdir: Path) -> None:
+    """Give `workdir` the verified-wheels record of `verified_in` (another workdir on this machine where the
+    same lock was built and imported on the same Python): its next build imports only what changed (the
+    bundle), as a developer's second workdir would not, but the import check itself is what
+    test_build_from_the_cpu_lock and the stock container's first build defend; a test that is about
+    something else is spared a full import of torch and transformers."""
+    record = Path(verified_in) / "venvs" / ".verified-wheels.json"
+    assert record.is_file(), f"{verified_in} holds no verified-wheels record"
+    (Path(workdir) / "venvs").mkdir(parents=True, exist_ok=True)
+    (Path(workdir) / "venvs" / record.name).write_bytes(record.read_bytes())
+
+
 def fresh_dir(prefix: str) -> Path:
     import tempfile
 
@@ -347,14 +359,16 @@ def test_offline_rebuild_on_a_warm_cache_then_rollback_and_prune(built):
 
 
 @pytest.mark.slow
-def test_the_rebuild_venv_verb_through_the_installed_cli(dflashctl, tmp_path):
+def test_the_rebuild_venv_verb_through_the_installed_cli(dflashctl, built, tmp_path):
     """`dflashctl rebuild-venv` as a user runs it, on a local target with the cpu lock: a rollback with nothing
     to go back to, a build, a no-op (--json), a forced offline rebuild, a rollback, and a flag clash; what
-    each prints and where `current` points after it."""
+    each prints and where `current` points after it. The workdir starts with `built`'s verified-wheels
+    record (no venv): the full import check is test_build_from_the_cpu_lock's."""
     import yaml
 
     wd = fresh_dir("dflash-venv-cli-")
     try:
+        seed_verified_wheels(built[1], wd)
         inv = tmp_path / "inventory.yaml"
         inv.write_text(yaml.safe_dump({
             "targets": {"local": {"kind": "local", "workdir": str(wd), "venv": "cpu"}},
@@ -566,6 +580,9 @@ def test_offline_without_tmux_warns_with_a_fix_that_works_as_printed(fake_pve, s
 
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
     ct = fake_pve.create_container(333, gpus=0, image=STOCK)
+    # The same image's python3 and the same wheels as stock_built's container: its record spares this build
+    # the full import check (the first build's, defended above); what is tested here is tmux and the warning.
+    seed_verified_wheels(Path(stock_built[0].workdir), Path(ct.workdir))
     target = stock_target(fake_pve, ct)
     try:
         # --offline: the template's empty package lists may not be refreshed, so apt cannot find tmux. The
