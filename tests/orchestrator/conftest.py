@@ -83,6 +83,37 @@ def dflashctl():
 
 
 @pytest.fixture
+def dflashctl_main(monkeypatch):
+    """Run `dflashctl ARGS` IN THIS PROCESS through orchestrator.cli.main (what the console script calls, less
+    an interpreter start-up and the CLI's imports each time), with stdout and stderr captured. For the many
+    invocations of a test about a verb's output and exit codes; what only a fresh interpreter or the
+    installed script can show (imports, the console script, PATH) stays with `dflashctl` in a subprocess.
+    Returns run(*args, env=None, cwd=None) -> CompletedProcess (env, when given, replaces os.environ for the
+    call; COLUMNS is 200 as in `dflashctl`)."""
+    import contextlib
+    import io
+
+    from orchestrator.cli import main
+
+    def run(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+        out, err = io.StringIO(), io.StringIO()
+        with monkeypatch.context() as m:
+            if env is not None:
+                for key in list(os.environ):
+                    m.delenv(key)
+                for key, value in env.items():
+                    m.setenv(key, value)
+            m.setenv("COLUMNS", (env or {}).get("COLUMNS", "200"))
+            if cwd is not None:
+                m.chdir(cwd)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(list(args))
+        return subprocess.CompletedProcess(["dflashctl", *args], code, out.getvalue(), err.getvalue())
+
+    return run
+
+
+@pytest.fixture
 def claim_cuda_venv():
     """The function `_claim_cuda_venv(workdir, lock="cuda", torch="2.13.0", cuda="13.0")` (below)."""
     return _claim_cuda_venv

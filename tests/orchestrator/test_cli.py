@@ -29,14 +29,12 @@ experiments:
 """
 
 
-def cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `dflashctl ARGS` in a fresh interpreter (the source tree first on sys.path)."""
-    code = "import sys; from orchestrator.cli import main; sys.exit(main(sys.argv[1:]))"
-    full_env = dict(os.environ if env is None else env)
-    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-    full_env["COLUMNS"] = "200"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=full_env,
-                          cwd=cwd or REPO, timeout=120)
+@pytest.fixture
+def cli(dflashctl_main):
+    """`dflashctl ARGS` in this process (orchestrator.cli.main; conftest's dflashctl_main): these tests are
+    about what the verbs print and return. A fresh interpreter is what the import tests below need, and the
+    installed console script is run by the usage-error tests at the end."""
+    return dflashctl_main
 
 
 def write_inventory(tmp_path: Path) -> Path:
@@ -90,7 +88,7 @@ def test_status_of_a_local_target_imports_no_ssh_tmux_or_torch(tmp_path):
     assert set(got) <= {"pydantic", "yaml", "trainer", "rich", "platformdirs"}, got
 
 
-def test_doctor_json_on_a_local_target(tmp_path):
+def test_doctor_json_on_a_local_target(tmp_path, cli):
     res = cli("--inventory", str(write_inventory(tmp_path)), "doctor", "--json")
     assert res.returncode == 0, res.stderr + res.stdout
     report = json.loads(res.stdout)
@@ -102,7 +100,7 @@ def test_doctor_json_on_a_local_target(tmp_path):
     assert (tmp_path / "work" / "inductor-cache").is_dir()
 
 
-def test_doctor_table_and_exit_1_when_a_check_fails(tmp_path):
+def test_doctor_table_and_exit_1_when_a_check_fails(tmp_path, cli):
     # PATH without tmux or uv: the agent still runs (absolute interpreter) and reports them missing.
     env = dict(os.environ, PATH=str(tmp_path / "empty-bin"), HOME=str(tmp_path / "home"))
     res = cli("--inventory", str(write_inventory(tmp_path)), "doctor", env=env)
@@ -112,20 +110,20 @@ def test_doctor_table_and_exit_1_when_a_check_fails(tmp_path):
     assert "some checks failed" in res.stdout
 
 
-def test_unknown_target_is_suggested(tmp_path):
+def test_unknown_target_is_suggested(tmp_path, cli):
     res = cli("--inventory", str(write_inventory(tmp_path)), "doctor", "--target", "locl")
     assert res.returncode == 1
     assert "no target 'locl'" in res.stderr and "did you mean 'local'?" in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_hostile_target_name_is_refused(tmp_path):
+def test_hostile_target_name_is_refused(tmp_path, cli):
     res = cli("--inventory", str(write_inventory(tmp_path)), "doctor", "--target", "../$(id)")
     assert res.returncode == 1
     assert "bad target name" in res.stderr
 
 
-def test_bad_inventory_names_file_and_line(tmp_path):
+def test_bad_inventory_names_file_and_line(tmp_path, cli):
     bad = tmp_path / "bad.yaml"
     bad.write_text(INVENTORY.format(workdir=tmp_path).replace("    venv: workstation", "    venv: workstation\n    wrkdir: x"))
     res = cli("--inventory", str(bad), "doctor")
@@ -133,19 +131,19 @@ def test_bad_inventory_names_file_and_line(tmp_path):
     assert f"{bad}:6: targets.local.wrkdir: unknown key; did you mean 'workdir'?" in res.stderr
 
 
-def test_missing_inventory_file(tmp_path):
+def test_missing_inventory_file(tmp_path, cli):
     res = cli("--inventory", str(tmp_path / "nope.yaml"), "doctor")
     assert res.returncode == 1 and "nope.yaml" in res.stderr and "does not exist" in res.stderr
 
 
-def test_env_inventory_is_used(tmp_path):
+def test_env_inventory_is_used(tmp_path, cli):
     env = dict(os.environ, DFLASHCTL_INVENTORY=str(write_inventory(tmp_path)))
     res = cli("doctor", "--json", env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["checks"][-1]["detail"] == str(tmp_path / "work" / "inductor-cache")
 
 
-def test_trust_records_the_key_and_refuses_a_changed_one(pve, tmp_path):
+def test_trust_records_the_key_and_refuses_a_changed_one(pve, tmp_path, cli):
     import yaml
 
     known = tmp_path / "known_hosts"
@@ -170,7 +168,7 @@ def test_trust_records_the_key_and_refuses_a_changed_one(pve, tmp_path):
     assert "error:" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_trust_unknown_host_is_suggested(tmp_path):
+def test_trust_unknown_host_is_suggested(tmp_path, cli):
     inv = tmp_path / "inv.yaml"
     inv.write_text("hosts:\n  pve1: {ssh: example.invalid}\n")
     res = cli("-i", str(inv), "trust", "pve2")
@@ -231,8 +229,10 @@ VERBS = [["doctor"], ["trust", "h"], ["diagnose", "f"], ["rebuild-venv"], ["lock
 
 
 @pytest.mark.parametrize("verb", VERBS, ids=lambda v: " ".join(v[:2]))
-def test_every_verb_answers_a_usage_error_with_one_line_and_exit_2(dflashctl, verb):
-    line = _one_error_line(dflashctl(*verb, "--no-such-flag"))
+def test_every_verb_answers_a_usage_error_with_one_line_and_exit_2(dflashctl_main, verb):
+    # In this process (orchestrator.cli.main, what the console script calls): the script itself answers the
+    # usage errors of the three tests above.
+    line = _one_error_line(dflashctl_main(*verb, "--no-such-flag"))
     path = " ".join(w for w in verb if w in ("runs", "diff") or w == verb[0])
     assert line.startswith("error: No such option") and "--no-such-flag" in line
     assert line.endswith(f"(see: dflashctl {path} --help)")
@@ -255,11 +255,11 @@ def _readme_verbs() -> list[list[str]]:
     return verbs
 
 
-def test_every_verb_the_readme_lists_answers_help(dflashctl):
+def test_every_verb_the_readme_lists_answers_help(dflashctl_main):
     verbs = _readme_verbs()
     assert len(verbs) >= 14 and ["runs", "diff"] in verbs and ["attach"] in verbs, verbs
-    for verb in verbs:
-        res = dflashctl(*verb, "--help")
+    for verb in verbs:  # in this process: a fresh interpreter per verb shows nothing more about its --help
+        res = dflashctl_main(*verb, "--help")
         assert res.returncode == 0, (verb, res.stderr)
         assert "Usage" in res.stdout and f"dflashctl {' '.join(verb)}" in res.stdout, (verb, res.stdout)
 

@@ -601,7 +601,7 @@ def finished_run(workdir: Path, run_id: str, log: str, code: int | None, experim
         (run / "exit.json").write_text(json.dumps({"exit_code": code, "signal": None}))
 
 
-def cli(tmp_path: Path, *args: str, extra: str = "") -> subprocess.CompletedProcess:
+def write_inventory(tmp_path: Path, extra: str = "") -> Path:
     inv = tmp_path / "inv.yaml"
     inv.write_text(extra + textwrap.dedent(f"""\
         targets:
@@ -611,15 +611,24 @@ def cli(tmp_path: Path, *args: str, extra: str = "") -> subprocess.CompletedProc
         experiments:
           tiny: {{kind: dflash, target: local}}
         """))
-    code = "import sys; from orchestrator.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
-    return subprocess.run([sys.executable, "-c", code, "--inventory", str(inv), *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return inv
 
 
-def test_cli_known_crash_is_two_with_the_diagnosis(tmp_path):
+@pytest.fixture
+def cli(dflashctl_main):
+    """`dflashctl --inventory <tmp_path>/inv.yaml ARGS` in this process (orchestrator.cli.main): these tests
+    make a dozen invocations about output and exit codes; test_cli_known_crash_is_two_with_the_diagnosis
+    runs the installed console script."""
+
+    def run(tmp_path: Path, *args: str, extra: str = "") -> subprocess.CompletedProcess:
+        return dflashctl_main("--inventory", str(write_inventory(tmp_path, extra)), *args)
+
+    return run
+
+
+def test_cli_known_crash_is_two_with_the_diagnosis(tmp_path, dflashctl):
     finished_run(tmp_path / "work", "r-oom", OOM_LOG, 1)
-    res = cli(tmp_path, "logs", "r-oom", "--follow")
+    res = dflashctl("--inventory", str(write_inventory(tmp_path)), "logs", "r-oom", "--follow")
     assert res.returncode == 2, res.stderr
     assert res.stdout == OOM_LOG[-len(res.stdout):] and "torch.OutOfMemoryError" in res.stdout
     assert "CUDA out of memory" in res.stderr and "fix:" in res.stderr and "will not help:" in res.stderr
@@ -627,7 +636,7 @@ def test_cli_known_crash_is_two_with_the_diagnosis(tmp_path):
     assert "run r-oom: failed (exit code 1)" in res.stderr
 
 
-def test_cli_exit_codes_and_outputs(tmp_path):
+def test_cli_exit_codes_and_outputs(tmp_path, cli):
     work = tmp_path / "work"
     finished_run(work, "r-ok", "step 1\nstep 2\n", 0, experiment="tiny")
     finished_run(work, "r-bad", "step 1\nValueError: nope\n", 5, experiment="other")
@@ -647,7 +656,7 @@ def test_cli_exit_codes_and_outputs(tmp_path):
     assert "Exit codes: 0" in cli(tmp_path, "logs", "--help").stdout
 
 
-def test_cli_notifies_crash_and_completion(tmp_path):
+def test_cli_notifies_crash_and_completion(tmp_path, cli):
     work = tmp_path / "work"
     finished_run(work, "r-oom", OOM_LOG, 1)
     finished_run(work, "r-ok", "fine\n", 0)
