@@ -48,14 +48,16 @@ def test_run_ids_refuse_a_newline_a_slash_and_dotdot():
 
 
 @pytest.mark.parametrize("bad", ["exp-1\n", "exp/1", "exp..1"])
-def test_every_verb_that_takes_a_run_refuses_a_bad_one_as_the_user_sees_it(dflashctl, tmp_path, bad):
-    """Through the installed console script, before any target is contacted: one error line naming the
-    value as Python writes it (a newline shows as \\n), the rule, and the fix; exit 1."""
+def test_every_verb_that_takes_a_run_refuses_a_bad_one_as_the_user_sees_it(dflashctl, dflashctl_main, tmp_path, bad):
+    """Before any target is contacted: one error line naming the value as Python writes it (a newline shows as
+    \\n), the rule, and the fix; exit 1. Through the installed console script for `logs`; the other verbs
+    through orchestrator.cli.main in this process (what the script calls: an interpreter start-up less each)."""
     rule = f"use 1-{names.RUN_ID_MAX} characters from {names.RULE}"
-    for argv, kind in ((["logs", bad], "run id or experiment"), (["stop", bad], "run id"),
-                       (["attach", bad], "run id or experiment"),
-                       (["launch", "tiny", "--resume", bad, "--dry-run"], "run id")):
-        r = dflashctl(*argv, env={**os.environ, "DFLASHCTL_STATE_DIR": str(tmp_path)})
+    env = {**os.environ, "DFLASHCTL_STATE_DIR": str(tmp_path)}
+    for argv, kind, run in ((["logs", bad], "run id or experiment", dflashctl), (["stop", bad], "run id", dflashctl_main),
+                            (["attach", bad], "run id or experiment", dflashctl_main),
+                            (["launch", "tiny", "--resume", bad, "--dry-run"], "run id", dflashctl_main)):
+        r = run(*argv, env=env)
         assert r.returncode == 1, (argv, r.stderr)
         assert r.stderr.splitlines() == [f"error: bad {kind} {bad!r}: {rule}",
                                           "fix: copy the run id from `dflashctl runs` or `dflashctl status`"], argv
