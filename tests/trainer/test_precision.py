@@ -26,11 +26,12 @@ MASTER = {"fp32": torch.float32, "bf16-mixed": torch.float32, "bf16-true": torch
 
 
 @pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory):
-    """The tiny assets, built once for the module (DFLASH_TINY_CACHE is read when a run builds them)."""
+def tiny_cache(tiny_cache):
+    """The session's tiny cache (tests/conftest.py) with this TINY built in it, as DFLASH_TINY_CACHE (read when
+    a run builds its assets) for the module: every test here, and other files training on it, share one build."""
     from trainer.tiny import build_tiny
 
-    root = tmp_path_factory.mktemp("tiny-cache")
+    root = tiny_cache
     build_tiny(TINY, cache_root=root, log=lambda _: None)
     old = os.environ.get("DFLASH_TINY_CACHE")
     os.environ["DFLASH_TINY_CACHE"] = str(root)
