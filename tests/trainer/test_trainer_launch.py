@@ -54,9 +54,10 @@ def write(path: Path, cfg: dict) -> Path:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("tiny-cache")
-    return dict(os.environ, DFLASH_TINY_CACHE=str(cache), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+def env(tiny_cache):
+    # The session's tiny cache: building the assets is not what these tests check (tests/trainer/test_tiny_run.py
+    # and the concurrent-builder tests do), and test_two_nodes.py asks for the same tiny target.
+    return dict(os.environ, DFLASH_TINY_CACHE=str(tiny_cache), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 
 def launch(args: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -65,11 +66,17 @@ def launch(args: list[str], env: dict, timeout: float = 300) -> subprocess.Compl
     )
 
 
-def reference(cfg: dict, env: dict, batches_per_step: int = 2) -> list[dict]:
+def reference(cfg: dict, env: dict, memo: dict | None = None, batches_per_step: int = 2) -> list[dict]:
     """The single-process run at the same global batch: the colocated loop accumulating `batches_per_step`
-    batches per step, in a fresh process (same thread settings as a rank)."""
+    batches per step, in a fresh process (same thread settings as a rank).
+
+    With `memo` (the session's `reference_memo`), a run whose config differs only in output_dir from one
+    already made is not made again: its train records are returned (a copy)."""
     cfg = json.loads(json.dumps(cfg))
     cfg["data"]["batches_per_step"] = batches_per_step
+    key = json.dumps({k: v for k, v in cfg.items() if k != "output_dir"}, sort_keys=True)
+    if memo is not None and key in memo:
+        return json.loads(memo[key])
     path = Path(cfg["output_dir"]).with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg))
@@ -77,14 +84,17 @@ def reference(cfg: dict, env: dict, batches_per_step: int = 2) -> list[dict]:
     proc = subprocess.run([sys.executable, "-c", code, "train", "--config", str(path)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return [r for r in read_metrics(Path(cfg["output_dir"]) / "metrics.jsonl") if r["kind"] == "train"]
+    records = [r for r in read_metrics(Path(cfg["output_dir"]) / "metrics.jsonl") if r["kind"] == "train"]
+    if memo is not None:
+        memo[key] = json.dumps(records)
+    return records
 
 
 SPLIT = {"num_target_procs": 1, "num_drafter_procs": 2}
 
 
-def test_one_target_two_drafters_match_the_single_process_run(tmp_path, env):
-    ref = reference(small_config(tmp_path / "ref"), env)
+def test_one_target_two_drafters_match_the_single_process_run(tmp_path, env, reference_memo):
+    ref = reference(small_config(tmp_path / "ref"), env, reference_memo)
     cfg_path = write(tmp_path / "split.json", small_config(tmp_path / "split", SPLIT))
     proc = launch(["--config", str(cfg_path)], env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -126,7 +136,7 @@ def _as_if_killed_after(run_dir: Path, step: int) -> None:
 
 
 @pytest.mark.parametrize("first, second", [("colocated", "split"), ("split", "colocated")])
-def test_a_checkpoint_resumes_under_the_other_layout_with_the_reference_loss(tmp_path, env, first, second):
+def test_a_checkpoint_resumes_under_the_other_layout_with_the_reference_loss(tmp_path, env, reference_memo, first, second):
     # Two batches per step in every layout: the colocated process accumulates both, two drafters one each.
     layouts = {"colocated": {}, "split": SPLIT}
 
@@ -135,7 +145,7 @@ def test_a_checkpoint_resumes_under_the_other_layout_with_the_reference_loss(tmp
         cfg["data"]["batches_per_step"] = 2
         return cfg
 
-    ref = reference(small_config(tmp_path / "ref"), env)
+    ref = reference(small_config(tmp_path / "ref"), env, reference_memo)
     proc = launch(["--config", str(write(tmp_path / "first.json", config("first", layouts[first])))], env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     run_dir = tmp_path / "resumed"

@@ -89,8 +89,9 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
                 kill_node(p)
 
 
-def test_two_nodes_match_the_single_process_run(tmp_path, env):
-    ref = reference(small_config(tmp_path / "ref"), env)
+def test_two_nodes_match_the_single_process_run(tmp_path, env, reference_memo):
+    # The same reference as test_trainer_launch.py's split run: made once per session.
+    ref = reference(small_config(tmp_path / "ref"), env, reference_memo)
     dirs, procs = start_nodes(tmp_path, env)
     wait_all(procs, 300)
     outs = [output(d) for d in dirs]
