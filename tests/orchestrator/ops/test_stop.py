@@ -52,7 +52,8 @@ def _inventory(tmp_path: Path) -> Path:
 def _wait_ready(run: Path, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (run / "pid").exists() and "\nready\n" in (run / "train.log").read_text():
+        log = run / "train.log"  # the wrapper writes its pid file first, then opens the log
+        if (run / "pid").exists() and log.exists() and "\nready\n" in log.read_text():
             return
         time.sleep(0.05)
     raise AssertionError(f"{run.name} never got ready")
@@ -83,7 +84,7 @@ def test_stop_unknown_run(tmp_path, local_target):
         stop(local_target, "nope-1")
 
 
-def test_stop_is_recorded_and_shown_as_stopped_by_whom_and_when(tmp_path, dflashctl):
+def test_stop_is_recorded_and_shown_as_stopped_by_whom_and_when(tmp_path, dflashctl, dflashctl_main):
     inv = ["--inventory", str(_inventory(tmp_path))]
     assert dflashctl(*inv, "launch", "sleeper").returncode == 0
     run = _runs(tmp_path)[0]
@@ -97,23 +98,24 @@ def test_stop_is_recorded_and_shown_as_stopped_by_whom_and_when(tmp_path, dflash
     shown = f"stopped by {ME} (dflashctl stop) at {ex['stopped']['at']}"
     assert stopped.stdout.strip() == f"run {run.name} stopped with SIGINT: {shown} (exit code 130)"
 
-    st = json.loads(dflashctl(*inv, "status", "--json").stdout)
+    # What shows the stop, read in this process (orchestrator.cli.main): the installed script launched and stopped.
+    st = json.loads(dflashctl_main(*inv, "status", "--json").stdout)
     row = next(r for r in st["runs"] if r["run_id"] == run.name)
     assert row["state"] == "stopped" and row["stopped"] == ex["stopped"]
-    assert shown in dflashctl(*inv, "status").stdout
+    assert shown in dflashctl_main(*inv, "status").stdout
 
-    rec = next(r for r in json.loads(dflashctl(*inv, "runs", "--json").stdout) if r["run_id"] == run.name)
+    rec = next(r for r in json.loads(dflashctl_main(*inv, "runs", "--json").stdout) if r["run_id"] == run.name)
     assert rec["stopped"] == ex["stopped"]
-    assert f"by {ME} (dflashctl stop) at {ex['stopped']['at']}" in dflashctl(*inv, "runs").stdout
+    assert f"by {ME} (dflashctl stop) at {ex['stopped']['at']}" in dflashctl_main(*inv, "runs").stdout
 
-    logs = dflashctl(*inv, "logs", run.name, "--follow")
+    logs = dflashctl_main(*inv, "logs", run.name, "--follow")
     assert logs.returncode == 5, logs.stderr
     assert logs.stderr.splitlines()[-1] == f"run {run.name}: {shown} (exit code 130)"
-    js = [json.loads(line) for line in dflashctl(*inv, "logs", run.name, "--json").stdout.splitlines()]
+    js = [json.loads(line) for line in dflashctl_main(*inv, "logs", run.name, "--json").stdout.splitlines()]
     assert js[-1]["state"] == "stopped" and js[-1]["exit_code"] == 5
 
 
-def test_replace_records_the_old_run_as_stopped_by_the_launch(tmp_path, dflashctl):
+def test_replace_records_the_old_run_as_stopped_by_the_launch(tmp_path, dflashctl, dflashctl_main):
     inv = ["--inventory", str(_inventory(tmp_path))]
     assert dflashctl(*inv, "launch", "sleeper").returncode == 0
     old = _runs(tmp_path)[0]
@@ -122,9 +124,9 @@ def test_replace_records_the_old_run_as_stopped_by_the_launch(tmp_path, dflashct
     assert new.returncode == 0, new.stderr
     ex = json.loads((old / "exit.json").read_text())
     assert ex["stopped"]["by"] == ME and ex["stopped"]["via"] == "dflashctl launch sleeper --replace"
-    st = {r["run_id"]: r["state"] for r in json.loads(dflashctl(*inv, "status", "--json").stdout)["runs"]}
+    st = {r["run_id"]: r["state"] for r in json.loads(dflashctl_main(*inv, "status", "--json").stdout)["runs"]}
     assert st[old.name] == "stopped" and list(st.values()).count("running") == 1
-    rec = next(r for r in json.loads(dflashctl(*inv, "runs", "--json").stdout) if r["run_id"] == old.name)
+    rec = next(r for r in json.loads(dflashctl_main(*inv, "runs", "--json").stdout) if r["run_id"] == old.name)
     assert rec["stopped"] == ex["stopped"]
 
 
@@ -164,7 +166,8 @@ def test_the_wrapper_copies_stop_json_into_exit_json(tmp_path, stop_json, expect
     assert ex["stopped"] == expected and ex["exit_code"] == 130
 
 
-def test_stop_goes_where_the_record_says_and_without_a_record_where_the_user_says(tmp_path, dflashctl):
+def test_stop_goes_where_the_record_says_and_without_a_record_where_the_user_says(tmp_path, dflashctl,
+                                                                                 dflashctl_main):
     # orchestrator.ops.stop.stop_run: a recorded run is stopped on its recorded target (not the inventory's
     # default); a run this workstation has no record of (launched from another one) on --target, else on the
     # default target, where it is not found: the user is told where it looked and how to look further.
@@ -207,4 +210,4 @@ def test_stop_goes_where_the_record_says_and_without_a_record_where_the_user_say
     stopped = dflashctl(*inv, "stop", two.name, "--target", "far", "--grace", "5")
     assert stopped.returncode == 0, stopped.stderr
     assert json.loads((two / "exit.json").read_text())["stopped"]["by"] == ME
-    assert json.loads(dflashctl(*inv, "runs", "--json").stdout) == []  # a stop alone makes no record of a run
+    assert json.loads(dflashctl_main(*inv, "runs", "--json").stdout) == []  # a stop alone makes no record of a run
