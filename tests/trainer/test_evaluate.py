@@ -23,6 +23,23 @@ def _drafter(target, seed=0, **kw):
     return DFlashDrafter.from_target(small_model_config(**kw), target, MASK_ID)
 
 
+@pytest.fixture(scope="module")
+def greedy():
+    """greedy(target, prompt, n): the target's plain greedy continuation (the lossless reference), made once per
+    target and prompt for the module. Greedy decoding is a prefix of itself: its first n tokens do not depend
+    on how many follow, so one 40-token continuation answers every n <= 40."""
+    made: dict = {}
+
+    def get(target, prompt, n):
+        assert n <= 40, n
+        key = (id(target), tuple(prompt))
+        if key not in made:
+            made[key] = greedy_generate(target, prompt, 40)
+        return made[key][:n]
+
+    return get
+
+
 class OracleDrafter(DFlashDrafter):
     """A drafter that 'knows' the target's greedy continuation and drafts it right for the first
     ``good`` slots of each block (wrong after), so τ is known exactly. It still goes through
@@ -49,24 +66,24 @@ class OracleDrafter(DFlashDrafter):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("block_size", [None, 2])
-def test_speculative_output_equals_target_greedy(family, block_size, qwen3_target, llama_target):
+def test_speculative_output_equals_target_greedy(family, block_size, qwen3_target, llama_target, greedy):
     target = qwen3_target if family == "qwen3" else llama_target
     drafter = _drafter(target)
     prompts = _prompts()
     report = acceptance_length(drafter, target, prompts, max_new_tokens=24, block_size=block_size)
     for prompt, out in zip(prompts, report.outputs):
-        assert out == greedy_generate(target, prompt, 24)
+        assert out == greedy(target, prompt, 24)
 
 
 @pytest.mark.parametrize("extra", [0, 1])
 @pytest.mark.parametrize("good,expected", [(BS - 1, BS), (2, 3), (0, 1)])
-def test_tau_accounting_is_exact(qwen3_target, good, expected, extra):
+def test_tau_accounting_is_exact(qwen3_target, good, expected, extra, greedy):
     """The published benchmark's counting: rounds go on while fewer than N tokens went through a verify
     round (the prefill's token counts once verified), so N = 6 τ takes exactly 6 rounds and one token
     more a 7th. (Counting the prefill's token against N stopped one round early: 2.527 vs 2.555.)"""
     prompt = _prompts(1)[0]
     n_new = expected * 6 + extra
-    ref = greedy_generate(qwen3_target, prompt, n_new + 2 * BS)
+    ref = greedy(qwen3_target, prompt, n_new + 2 * BS)
     oracle = OracleDrafter(_drafter(qwen3_target).cfg, qwen3_target.embed_tokens, qwen3_target.lm_head)
     oracle.setup(prompt, ref, good)
     report = acceptance_length(oracle, qwen3_target, [prompt], max_new_tokens=n_new)
@@ -113,9 +130,9 @@ def test_training_on_target_outputs_raises_tau(qwen3_target):
     assert after.outputs == [r for r in responses]  # still lossless
 
 
-def test_stop_tokens_end_generation(qwen3_target):
+def test_stop_tokens_end_generation(qwen3_target, greedy):
     prompt = _prompts(1)[0]
-    ref = greedy_generate(qwen3_target, prompt, 20)
+    ref = greedy(qwen3_target, prompt, 20)
     stop = ref[5]
     first = ref.index(stop)
     out, _ = speculative_generate(_drafter(qwen3_target), qwen3_target, prompt, max_new_tokens=20, stop_token_ids=[stop])
