@@ -27,11 +27,17 @@ elif [ -n "${1:-}" ]; then
     echo "gpu_check: unknown argument '$1'; usage: bash bench/gpu_check.sh [--cpu-tiny]" >&2
     exit 2
 else
-    gpu=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>/dev/null)
+    # One interpreter says both: it fails only when torch does not import (a CUDA query that raises is no GPU).
+    gpu=$("$PY" -c '
+import torch
+try:
+    print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+except Exception:
+    pass' 2>/dev/null) || no_torch=1
 fi
 if [ -z "$gpu" ]; then
     why="torch sees no CUDA device"
-    "$PY" -c 'import torch' 2>/dev/null || why="$PY cannot import torch"
+    [ -n "${no_torch:-}" ] && why="$PY cannot import torch"
     echo "gpu_check: no CUDA GPU on this machine ($why); nothing to check."
     exit 0
 fi
