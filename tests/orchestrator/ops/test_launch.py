@@ -304,7 +304,7 @@ def test_warmup_argv_golden(tmp_path):
         "/v/bin/python", "-m", "trainer.warmup", "--config", str(tmp_path / "config.json"), "--device", "cuda"]
 
 
-def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_path):
+def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_path, tiny_cache):
     import io
     import os
 
@@ -316,12 +316,15 @@ def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_
     from orchestrator.ops.launch import spec_from_inventory
 
     spec = spec_from_inventory(load_inventory(_embedded()), "tiny")
+    # The sizes are not the point here (the processes, their GPUs and the events are): the small tiny target of
+    # the resume test below (one build in the session's cache, not the 1024-prompt one) and small steps.
+    _small_tiny(spec.config)
     run = tmp_path / "run"
     run.mkdir()
     config = {**spec.config, "output_dir": str(run)}
     (run / "config.json").write_text(json.dumps(config))
     out = io.StringIO()
-    env = {**os.environ, "PYTHONPATH": str(source_root())}
+    env = {**os.environ, "PYTHONPATH": str(source_root()), "DFLASH_TINY_CACHE": str(tiny_cache)}
     targets, skipped = warmup_targets({"target_gpus": [0], "drafter_gpus": [1, 2]}, config)
     assert (targets, skipped) == ([1, 2], None)
     # device cpu: this machine has no GPU; the per-GPU process, CUDA_VISIBLE_DEVICES and streaming are real.
@@ -339,6 +342,14 @@ def test_warm_up_runs_the_trainer_warmup_per_drafter_gpu_and_streams_events(tmp_
         warm_up(run, [4], None, config, env, Emitter(io.StringIO()), device="cpu")
     assert info.value.type == "WarmupFailed" and "GPU 4" in info.value.message and "no_such_key" in info.value.message
     assert json.loads((run / "exit.json").read_text())["phase"] == "warmup"
+
+
+def _small_tiny(config: dict) -> None:
+    """Shrink the embedded tiny experiment's trainer config in place to the sizes of
+    tests/trainer/test_trainer_launch.py: a small tiny target, one draft layer, 4 short rows per step."""
+    config["model"].update(num_draft_layers=1, tiny_target={**config["model"]["tiny_target"], "num_prompts": 40,
+                                                            "held_out": 4, "response_tokens": 24})
+    config["data"].update(max_len=64, token_budget=256, max_batch_size=4, num_anchors=8)
 
 
 def _embedded() -> str:
@@ -552,7 +563,7 @@ def _train_rows(run: Path) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
 
 
-def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path, local_target):
+def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path, local_target, tiny_cache, monkeypatch):
     """The tiny trainer, shrunk to 6 steps with a checkpoint every 2: run A ends; its newest checkpoint is
     removed (as if A died between the step-4 save and the end); B = `--resume A` is a new run that starts
     at step 4 with A's config and trains steps 5-6 exactly as A did."""
@@ -564,10 +575,8 @@ def test_resume_continues_the_last_complete_checkpoint_in_a_new_run(tmp_path, lo
     inv = load_inventory(_embedded())
     spec = spec_from_inventory(inv, "tiny", tag="a")
     spec.config.update(max_steps=6, save_every=2, log_every=1, keep_checkpoints=2)
-    # The sizes of tests/trainer/test_trainer_launch.py: a small tiny target, 4 short rows per step.
-    spec.config["model"].update(num_draft_layers=1, tiny_target={**spec.config["model"]["tiny_target"], "num_prompts": 40,
-                                                                 "held_out": 4, "response_tokens": 24})
-    spec.config["data"].update(max_len=64, token_budget=256, max_batch_size=4, num_anchors=8)
+    _small_tiny(spec.config)
+    monkeypatch.setenv("DFLASH_TINY_CACHE", str(tiny_cache))  # the runs (local target: this environment) build it once
     t = local_target
     a = launch(t, spec)
     assert wait_exit(a.run_dir, 240)["exit_code"] == 0, (Path(a.run_dir) / "train.log").read_text()[-3000:]
