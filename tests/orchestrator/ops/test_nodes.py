@@ -176,13 +176,13 @@ def two_cts(pve, stock_cpu_venv):
 
 
 @pytest.fixture(scope="module")
-def tenv(tmp_path_factory):
+def tenv(tiny_cache):
     import os
 
     from tests.trainer.test_trainer_launch import REPO
 
-    return dict(os.environ, DFLASH_TINY_CACHE=str(tmp_path_factory.mktemp("tiny")), PYTHONPATH=str(REPO),
-                OMP_NUM_THREADS="1")
+    # The session's tiny cache: the reference runs use small_config's tiny target, built once for the suite.
+    return dict(os.environ, DFLASH_TINY_CACHE=str(tiny_cache), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 
 @pytest.mark.slow
@@ -265,7 +265,8 @@ def test_pct_stop_of_one_node_fails_the_run_on_both_and_resume_continues(pve, tw
         (new[1] / "train.log").read_text()[-3000:])
     got = _losses(new[1])
     assert len(got) == 30
-    ref = [r["loss"] for r in reference(small_config(tmp_path / "ref", **long), tenv)]
+    # The uninterrupted run, without the checkpoints (saving changes no loss): 15 saves fewer.
+    ref = [r["loss"] for r in reference(small_config(tmp_path / "ref", **{**long, "save_every": 1000}), tenv)]
     assert got == pytest.approx(ref, rel=LOSS_RTOL)
 
 
