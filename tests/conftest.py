@@ -100,3 +100,57 @@ def tiny_cache(tmp_path_factory):
     lock, so tests that ask for the same tiny target share one build instead of each making its own. A test that
     is about building (first build, concurrent builders) keeps a cache of its own."""
     return tmp_path_factory.mktemp("tiny-cache")
+
+
+def _warmup_trainer_config() -> dict:
+    """cold_warmup's trainer config: a small tiny target (tests/trainer/test_warmup.py trains with it after
+    its warm-up: it needs weights, not only a config.json) with ONE held-out prompt (τ before and after
+    training is most of that training's time, and no warm-up test is about τ), one draft layer, one 2 x 48
+    step shape, compile on."""
+    return {
+        "max_steps": 3,
+        "log_every": 1,
+        "model": {
+            "target": "tiny",
+            "block_size": 4,
+            "num_draft_layers": 1,
+            "num_target_features": 1,
+            "tiny_target": {"num_prompts": 24, "held_out": 1, "response_tokens": 16},
+        },
+        "data": {"max_len": 48, "token_budget": 96, "max_batch_size": 2, "num_anchors": 4},
+        "compile": {"enabled": True},
+    }
+
+
+@pytest.fixture(scope="session")
+def cold_warmup(tiny_cache, tmp_path_factory):
+    """ONE cold inductor compile for the session: `warmup` of warmup_trainer_config() through the orchestrator on
+    a local target whose `<workdir>/inductor-cache` starts empty (a CPU compile of the drafter's forward and
+    backward costs ~50 s of CPU here). The tests that defend cold-miss-then-warm-hit assert on this cold
+    result, then run their own warm-up (trainer.warmup directly, or the warmup op again) against its cache.
+
+    Returns a namespace: workdir, cache (the inductor cache), spec (its config is the trainer config: a test that
+    warms up or trains with it keeps the same graph, hence the same cache keys), res (the WarmupResult), events.
+    """
+    from types import SimpleNamespace
+
+    from orchestrator.ops.launch import LaunchSpec
+    from orchestrator.ops.warmup import warmup
+    from orchestrator.target import LocalTarget
+    from orchestrator.transport.local import LocalTransport
+    from trainer.tiny import tiny_train_config
+
+    wd = tmp_path_factory.mktemp("cold-warmup") / "work"
+    wd.mkdir()
+    config = tiny_train_config(wd.parent / "unused", **_warmup_trainer_config()).model_dump(mode="json")
+    config.pop("output_dir")
+    spec = LaunchSpec(experiment="wu", kind="dflash", target="local", config=config, layout={}, gpus=[],
+                      venv_profile={"kind": "workstation"})
+    target = LocalTarget(name="local", workdir=str(wd), transport=LocalTransport())
+    events: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_TINY_CACHE", str(tiny_cache))  # the warm-up process builds the tiny target here
+        mp.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        assert not (wd / "inductor-cache").exists()
+        res = warmup(target, spec, on_event=events.append)
+    return SimpleNamespace(workdir=wd, cache=wd / "inductor-cache", spec=spec, res=res, events=events)

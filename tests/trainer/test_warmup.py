@@ -18,25 +18,6 @@ from trainer.warmup import Shape, configure_compile, training_shapes
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _config(out: Path, cache_dir: Path) -> dict:
-    from trainer.tiny import tiny_train_config
-
-    return tiny_train_config(
-        out,
-        max_steps=3,
-        log_every=1,
-        model={
-            "target": "tiny",
-            "block_size": 4,
-            "num_draft_layers": 1,
-            "num_target_features": 1,
-            "tiny_target": {"num_prompts": 24, "held_out": 4, "response_tokens": 16},
-        },
-        data={"max_len": 48, "token_budget": 96, "max_batch_size": 2, "num_anchors": 4},
-        compile={"enabled": True, "cache_dir": str(cache_dir)},
-    ).model_dump(mode="json")
-
-
 def _warmup(cfg_path: Path, env: dict) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "trainer.warmup", "--config", str(cfg_path), "--device", "cpu"],
@@ -47,15 +28,21 @@ def _warmup(cfg_path: Path, env: dict) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_second_warmup_hits_the_cache_and_training_does_not_recompile(tmp_path):
-    cache = tmp_path / "inductor-cache"  # fresh per test: the first warm-up must really compile
-    cfg = _config(tmp_path / "run", cache)
+def test_second_warmup_hits_the_cache_and_training_does_not_recompile(tmp_path, tiny_cache, cold_warmup):
+    # The cold warm-up is the session's one (tests/conftest.py: `python -m trainer.warmup` of this config, run
+    # by the orchestrator's warmup op into a cache that started empty); this test's warm-up and training read it.
+    cache = cold_warmup.cache
+    # The session's config exactly (the same graph, hence the same cache keys), with its own run directory.
+    cfg = {**cold_warmup.spec.config, "output_dir": str(tmp_path / "run"),
+           "compile": {**cold_warmup.spec.config["compile"], "cache_dir": str(cache)}}
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(cfg))
-    env = dict(os.environ, DFLASH_TINY_CACHE=str(tmp_path / "tiny"), PYTHONPATH=str(REPO))
+    env = dict(os.environ, DFLASH_TINY_CACHE=str(tiny_cache), PYTHONPATH=str(REPO))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
-    cold = _warmup(cfg_path, env)
+    [cold_done] = cold_warmup.res.warmups
+    [cold_shape] = [e.warmup for e in cold_warmup.events if e.step == "warmup" and "shape" in (e.warmup or {})]
+    cold = [{"event": "warmup_shape", **cold_shape}, {"event": "warmup_done", **cold_done}]
     warm = _warmup(cfg_path, env)
     for events in (cold, warm):
         assert [e["event"] for e in events] == ["warmup_shape", "warmup_done"]

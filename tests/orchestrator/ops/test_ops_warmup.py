@@ -109,15 +109,16 @@ def test_container_warmup_is_one_pct_exec_one_process_per_drafter_gpu_in_order(p
 
 
 @pytest.mark.slow
-def test_local_cpu_warmup_compiles_then_loads_from_the_workdir_cache(tmp_path):
-    wd = tmp_path / "work"
-    wd.mkdir()
+def test_local_cpu_warmup_compiles_then_loads_from_the_workdir_cache(cold_warmup, tiny_cache, monkeypatch):
+    # The cold warm-up is the session's (tests/conftest.py: this op, on a local target whose workdir cache
+    # started empty, with the config of tests/trainer/test_warmup.py, so one cold compile serves both); this
+    # test warms up again through the op and checks both.
+    monkeypatch.setenv("DFLASH_TINY_CACHE", str(tiny_cache))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    wd = cold_warmup.workdir
     t = LocalTarget(name="local", workdir=str(wd), transport=LocalTransport())
-    spec = dflash_spec(shape_target(tmp_path / "model"), layout={}, compile_on=True)
-    runs = []
-    for _ in range(2):
-        events: list[dict] = []
-        runs.append((warmup(t, spec, on_event=events.append), events))
+    events: list[dict] = []
+    runs = [(cold_warmup.res, cold_warmup.events), (warmup(t, cold_warmup.spec, on_event=events.append), events)]
     (cold, cold_ev), (warm, warm_ev) = runs
     cache = wd / "inductor-cache"
     for res, events in runs:
@@ -125,7 +126,7 @@ def test_local_cpu_warmup_compiles_then_loads_from_the_workdir_cache(tmp_path):
         assert res.warmups[0]["device"] == "cpu" and res.warmups[0]["cache_dir"] == str(cache)
         assert res.warmups[0]["compiled"]["drafter_forward"] is True
         shapes = [e for e in events if e.step == "warmup" and "shape" in (e.warmup or {})]
-        assert len(shapes) == 1 and shapes[0].warmup["shape"] == {"rows": 2, "row_len": 32, "num_anchors": 4}
+        assert len(shapes) == 1 and shapes[0].warmup["shape"] == {"rows": 2, "row_len": 48, "num_anchors": 4}
     c, w = cold.warmups[0], warm.warmups[0]
     assert c["cache_misses"] > 0 and c["cache_hits"] == 0
     assert w["cache_hits"] > 0 and w["cache_misses"] == 0
