@@ -148,17 +148,32 @@ def trained(qwen3_target):
 
 
 @pytest.fixture(scope="module")
+def tree_decoded(trained, qwen3_target):
+    """tree_decoded(prompts, budget): their DDTree decoding at that budget, made once for the module (greedy
+    decoding is deterministic; the lossless test and the τ test read the same decodes at budgets 1, 16, 64)."""
+    drafter, made = trained[0], {}
+
+    def get(ps, budget):
+        key = (tuple(map(tuple, ps)), budget)
+        if key not in made:
+            made[key] = acceptance_length(drafter, qwen3_target, ps, 40, budget=budget)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def chain(trained, qwen3_target):
     """Chain decoding of the 12 prompts (the reference the top-1 tree and the budgets are held against)."""
     drafter, prompts, others, _ = trained
     return acceptance_length(drafter, qwen3_target, prompts + others, 40)
 
 
-def test_tree_decoding_is_lossless(trained, qwen3_target):
-    drafter, prompts, others, greedy = trained
+def test_tree_decoding_is_lossless(trained, tree_decoded):
+    _, prompts, others, greedy = trained
     for ps, ref in ((prompts, greedy[:6]), (others, greedy[6:])):
         for budget in (1, 3, 16, 64):
-            rep = acceptance_length(drafter, qwen3_target, ps, 40, budget=budget)
+            rep = tree_decoded(ps, budget)
             assert rep.outputs == ref, budget
 
 
@@ -170,10 +185,10 @@ def test_top1_budget_equals_chain_decoding(trained, chain, qwen3_target):
     assert chain.mean > 2  # rounds that accept several drafts were compared, not only misses
 
 
-def test_tau_grows_with_the_budget(trained, chain, qwen3_target):
-    drafter, prompts, _, _ = trained
+def test_tau_grows_with_the_budget(trained, chain, tree_decoded):
+    _, prompts, _, _ = trained
     chain_mean = sum(chain.per_prompt[:6]) / 6  # τ of the chain on the 6 fitted prompts
-    taus = [acceptance_length(drafter, qwen3_target, prompts, 40, budget=b) for b in (1, 4, 16, 64)]
+    taus = [tree_decoded(prompts, b) for b in (1, 4, 16, 64)]
     means = [r.mean for r in taus]
     assert means == sorted(means) and means[-1] > chain_mean > means[0], (chain_mean, means)
     assert [r.verify_width for r in taus] == [2, 5, 17, 65]
