@@ -154,3 +154,12 @@ def cold_warmup(tiny_cache, tmp_path_factory):
         assert not (wd / "inductor-cache").exists()
         res = warmup(target, spec, on_event=events.append)
     return SimpleNamespace(workdir=wd, cache=wd / "inductor-cache", spec=spec, res=res, events=events)
+
+
+@pytest.fixture(scope="session")
+def reference_memo() -> dict:
+    """Train records of single-process reference runs (`reference` in tests/trainer/test_trainer_launch.py), keyed
+    by the run's config less its output_dir: where a run writes does not change its losses, so the split, resumed,
+    two-node and two-container runs that compare against the same reference share one run of it in the session
+    (here, not in tests/trainer/conftest.py: tests/orchestrator/ops/test_nodes.py compares against it too)."""
+    return {}

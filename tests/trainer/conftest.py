@@ -66,11 +66,3 @@ def small_model_config(**overrides) -> ModelConfig:
     base = dict(block_size=4, num_draft_layers=2, attention_backend="sdpa")
     base.update(overrides)
     return ModelConfig(**base)
-
-
-@pytest.fixture(scope="session")
-def reference_memo() -> dict:
-    """Train records of single-process reference runs (`reference` in test_trainer_launch.py), keyed by the run's
-    config less its output_dir: where a run writes does not change its losses, so the split, resumed and
-    two-node runs that compare against the same reference share one run of it in the session."""
-    return {}
