@@ -63,8 +63,10 @@ def test_terminal_and_png(tmp_path):
         write_png(series_from_rows("empty", []), str(tmp_path / "e.png"))
 
 
-def test_cli_metrics_draws_and_writes_png(tmp_path):
-    from tests.orchestrator.test_cli import cli, write_inventory
+def test_cli_metrics_draws_and_writes_png(dflashctl, tmp_path):
+    """`dflashctl metrics` through the installed console script (its only CLI test): the terminal plot, the PNG,
+    and exit 4 for a run that does not exist."""
+    from tests.orchestrator.test_cli import write_inventory
 
     inv = write_inventory(tmp_path)
     runs = tmp_path / "work" / "runs" / "tiny-x"
@@ -72,11 +74,11 @@ def test_cli_metrics_draws_and_writes_png(tmp_path):
     (runs / "run.json").write_text(json.dumps({"experiment": "tiny", "created": "2026-11-30T00:00:00Z"}))
     (runs / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 3 - i / 10}) + "\n" for i in range(10)))
     png = tmp_path / "out.png"
-    res = cli("--inventory", str(inv), "metrics", "tiny", "--png", str(png))
+    res = dflashctl("--inventory", str(inv), "metrics", "tiny", "--png", str(png))
     assert res.returncode == 0, res.stderr
     assert "tiny-x: loss" in res.stdout
     assert png.exists() and png.stat().st_size > 1000
-    res = cli("--inventory", str(inv), "metrics", "nope-run")
+    res = dflashctl("--inventory", str(inv), "metrics", "nope-run")
     assert res.returncode == 4 and "no run 'nope-run'" in res.stderr
 
 
