@@ -156,12 +156,22 @@ def apply(m: Mutant, root: Path) -> None:
         (root / rel).unlink()
 
 
+# Imported at start-up by every interpreter of a mutant's run (the scratch copy is on PYTHONPATH): the scratch copy
+# must be the only source of our packages. setuptools' editable finder (from `pip install -e` of the real checkout)
+# comes after PYTHONPATH but answers for a submodule PYTHONPATH lacks, so a module the mutant deleted was served
+# from the checkout and the mutant survived (trainer-warmup-deleted, seen).
+_ONLY_THE_SCRATCH_COPY = """import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+"""
+
+
 def run(m: Mutant) -> tuple[bool, int, float, dict[str, str]]:
     """Apply `m` to a scratch copy and run its tests there: (killed, pytest's exit code, seconds, the outcome
     of each test from pytest's summary)."""
     root = SCRATCH / m.id
     _copy(root)
     apply(m, root)
+    (root / "sitecustomize.py").write_text(_ONLY_THE_SCRATCH_COPY)
     env = {**os.environ, "PYTHONPATH": str(root)}
     start = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *m.tests],
