@@ -1,8 +1,9 @@
-"""The mutants issue 14 names, each applied by hand to a scratch copy of the tree, with the tests that must
-fail on it; prints one row per mutant (killed or SURVIVED, the tests' exit code, the seconds it took) and exits
-1 if any survives.
+"""Hand-made mutants: bugs that mutmut cannot make (a deleted file, a packaging change, a reordered
+output, a shell script's switch and prune) or that a reader should see named, each applied to a scratch copy of
+the tree with the tests that must fail on it; prints one row per mutant (killed or SURVIVED, the tests' exit code,
+the seconds it took) and exits 1 if any survives.
 
-    python3 tests/mutation/issue_mutants.py [--only ID ...] [--list]
+    python3 tests/mutation/hand_mutants.py [--only ID ...] [--list]
 
 Killed means each listed test fails or errors on the mutant (for a parametrized test: at least one of its
 cases; pytest exit 1, or 2 when a test module no longer imports); a skip is not a kill.
@@ -132,6 +133,22 @@ MUTANTS = [
            [("trainer/layout.py", "        gpu = self.gpu(rank)\n        if gpu is None:\n            return {\"CUDA_VISIBLE_DEVICES\": \"\"}",
              "        gpu = self.gpu((rank + 1) % self.world_size)\n        if gpu is None:\n"
              "            return {\"CUDA_VISIBLE_DEVICES\": \"\"}")]),
+    # -- checkpoints: what resume finds after a crash, a half copy or a bad file
+    Mutant("ckpt-complete-without-meta", "list_complete no longer requires meta.json (keep-N pruning counts a half copy)",
+           ["tests/trainer/test_checkpoint.py::test_keep_1_pruning_never_counts_a_folder_without_meta_json"],
+           [("trainer/checkpoint.py", 'if m and p.is_dir() and (p / "meta.json").exists():', "if m and p.is_dir():")]),
+    Mutant("ckpt-load-oserror-only", "only an OSError from torch.load means unusable (a bad pickle crashes the resume)",
+           ["tests/trainer/test_checkpoint.py::test_a_hash_valid_state_that_does_not_unpickle_is_skipped"],
+           [("trainer/checkpoint.py", "except Exception as exc:  # noqa: BLE001", "except OSError as exc:  # noqa: BLE001")]),
+    Mutant("ckpt-resave-delete-then-rename", "a same-step re-save deletes the old folder, then renames the new one in",
+           ["tests/trainer/test_checkpoint.py::test_a_same_step_resave_killed_in_the_middle_keeps_the_step"],
+           [("trainer/checkpoint.py", "            os.rename(final, old)\n            os.rename(tmp, final)\n"
+             "            shutil.rmtree(old, ignore_errors=True)\n",
+             "            shutil.rmtree(final)\n            os.rename(tmp, final)\n")]),
+    Mutant("ckpt-no-recover", "nothing puts back a step a killed same-step swap left under .old- (the code before the fix)",
+           ["tests/trainer/test_checkpoint.py::test_a_same_step_resave_killed_in_the_middle_keeps_the_step"],
+           [("trainer/checkpoint.py", "        if not self.root.exists():\n            return\n        for p in sorted(",
+             "        if True:\n            return\n        for p in sorted(")]),
 ]
 
 
