@@ -149,6 +149,11 @@ MUTANTS = [
            ["tests/trainer/test_checkpoint.py::test_a_same_step_resave_killed_in_the_middle_keeps_the_step"],
            [("trainer/checkpoint.py", "        if not self.root.exists():\n            return\n        for p in sorted(",
              "        if True:\n            return\n        for p in sorted(")]),
+    # -- sampling: the bonus token after every draft kept
+    Mutant("bonus-argmax", "with every draft kept at T > 0 the bonus token is the target's argmax, not a sample",
+           ["tests/trainer/test_sampling.py::test_the_bonus_token_is_sampled_from_the_targets_next_distribution",
+            "tests/trainer/test_sampling.py::test_the_bonus_token_after_every_draft_kept_follows_the_target_distribution"],
+           [("trainer/sampling.py", "    return n, int(draw(p[n], generator))", "    return n, int(p[n].argmax())")]),
 ]
 
 
