@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -54,8 +54,9 @@ class ThroughputRegression:
     """Tokens/s below `fraction` x the baseline for at least `seconds`.
 
     Args:
-        baseline_tokens_per_s: the last good run's median tokens/s (see `pick_baseline`); None until
-            `set_baseline` provides one (nothing fires without a baseline).
+        baseline_tokens_per_s: the last good run's median tokens/s (the agent's tail verb finds it:
+            orchestrator.agent.tailer.last_good_baseline); None until `set_baseline` provides one (nothing
+            fires without a baseline).
         fraction: the threshold as a fraction of the baseline.
         seconds: how long throughput must stay below it.
         key: the metrics field holding tokens/s.
@@ -78,13 +79,11 @@ class ThroughputRegression:
         if baseline_tokens_per_s is not None:
             self.set_baseline(baseline_tokens_per_s)
 
-    def set_baseline(self, baseline: float | dict | Baseline) -> None:
-        """Set the baseline: tokens/s as a number, a Baseline, or a dict with `tokens_per_s` (the agent's
-        tail verb reports that dict)."""
+    def set_baseline(self, baseline: float | dict) -> None:
+        """Set the baseline: tokens/s as a number, or a dict with `tokens_per_s` (the agent's tail verb
+        reports that dict)."""
         if isinstance(baseline, dict):
             baseline = baseline.get("tokens_per_s")
-        elif isinstance(baseline, Baseline):
-            baseline = baseline.tokens_per_s
         value = _number(baseline)
         if value is None or value <= 0:
             raise ValueError(f"baseline tokens/s must be a number > 0, got {baseline!r}")
@@ -241,15 +240,6 @@ class HangDetector:
         )]
 
 
-@dataclass
-class Baseline:
-    """Throughput of the last good run of an experiment."""
-
-    run_id: str
-    tokens_per_s: float
-    samples: int
-
-
 def build_monitors(cfg: Any = None) -> list:
     """The metrics monitors a follower feeds every record to, from the inventory's `monitor:` section.
 
@@ -271,39 +261,3 @@ def build_monitors(cfg: Any = None) -> list:
         ThroughputRegression(None, fraction=get("regression_fraction", 0.7), seconds=get("regression_seconds", 300)),
         MemoryGrowth(seconds=get("memory_growth_seconds", 600)),
     ]
-
-
-def median_tokens_per_s(records: Iterable[dict], key: str = "tokens_per_s", skip_fraction: float = 0.1) -> float | None:
-    """Median tokens/s of a run, leaving out the first `skip_fraction` of records (compile/warm-up) and
-    zero or non-numeric values. None when nothing is left."""
-    values = [v for v in (_number(r.get(key)) for r in records) if v is not None and v > 0]
-    values = values[int(len(values) * skip_fraction):]
-    return statistics.median(values) if values else None
-
-
-def pick_baseline(runs: Iterable[dict], experiment: str, load_metrics: Callable[[dict], list[dict]],
-                  exclude_run_id: str | None = None) -> Baseline | None:
-    """The median tokens/s of the most recent succeeded run of `experiment`.
-
-    Args:
-        runs: run records with at least `run_id`, `experiment`, and `state` ("succeeded") or `exit_code` 0;
-            ordered by `ended`/`created` (ISO strings) when present, else by position.
-        experiment: the experiment name to match.
-        load_metrics: returns a run's metrics records (e.g. reads its metrics.jsonl).
-        exclude_run_id: the run being followed, never its own baseline.
-
-    Returns:
-        The Baseline, or None when no succeeded run with throughput exists.
-    """
-    good = [
-        (str(r.get("ended") or r.get("created") or ""), i, r)
-        for i, r in enumerate(runs)
-        if r.get("experiment") == experiment and r.get("run_id") != exclude_run_id
-        and (r.get("state") == "succeeded" or (r.get("state") is None and r.get("exit_code") == 0))
-    ]
-    for _, _, run in sorted(good, key=lambda x: (x[0], x[1]), reverse=True):
-        records = load_metrics(run)
-        median = median_tokens_per_s(records)
-        if median is not None:
-            return Baseline(run_id=str(run["run_id"]), tokens_per_s=median, samples=len(records))
-    return None

@@ -154,6 +154,18 @@ MUTANTS = [
            ["tests/trainer/test_sampling.py::test_the_bonus_token_is_sampled_from_the_targets_next_distribution",
             "tests/trainer/test_sampling.py::test_the_bonus_token_after_every_draft_kept_follows_the_target_distribution"],
            [("trainer/sampling.py", "    return n, int(draw(p[n], generator))", "    return n, int(p[n].argmax())")]),
+    # -- monitor: the hang check and the last good run
+    Mutant("hang-ignores-metrics", "metrics progress no longer re-arms the hang check (log bytes only)",
+           ["tests/orchestrator/test_monitor.py::test_metrics_progress_alone_rearms_the_hang_check"],
+           [("orchestrator/monitor.py", "progress = (log_bytes, metrics_seen)", "progress = (log_bytes, 0)")]),
+    Mutant("baseline-newer-run", "a run newer than the followed one may be its baseline",
+           ["tests/orchestrator/agent/test_baseline.py::test_a_newer_run_is_never_the_baseline"],
+           [("orchestrator/agent/tailer.py", "        if created_key(other) >= created_key(ref):\n            continue\n", "")]),
+    Mutant("baseline-stopped-exit-0", "any exit 0 is a good run (a run stopped by the user whose trainer exits 0 too)",
+           ["tests/orchestrator/agent/test_baseline.py::test_a_run_stopped_by_the_user_is_never_the_baseline_whatever_its_exit_code",
+            "tests/orchestrator/agent/test_baseline.py::test_a_real_run_stopped_with_exit_0_is_not_the_baseline_of_the_next"],
+           [("orchestrator/agent/tailer.py", 'state_of(exit_info, False, stopped_by(other, exit_info)) != "succeeded"',
+             'exit_info.get("exit_code") != 0')]),
 ]
 
 
