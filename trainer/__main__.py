@@ -1,4 +1,5 @@
-"""`python -m trainer train --config FILE`, `python -m trainer tiny [--out DIR]`, `python -m trainer eval ...`.
+"""`python -m trainer train --config FILE`, `python -m trainer tiny [--out DIR]`, `python -m trainer eval ...`,
+`python -m trainer regenerate CONFIG [--datasets DIR] [--run-dir DIR]` (the data stage, trainer.regenerate).
 
 Thin: parse flags, make one call into `trainer.loop` (the colocated layout in this process, world size 1;
 split layouts run under `python -m trainer.launch`) or `trainer.evaluate`, print the outcome. Exit codes: 0
@@ -23,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     y.add_argument("--out", default="runs/tiny", help="run directory (default: runs/tiny)")
     y.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     y.add_argument("--seed", type=int, default=0, help="seed for the drafter, data order and anchors")
+    r = sub.add_parser("regenerate", help="the data stage: regenerate the training responses with the target (sharded, resumable)")
+    r.add_argument("config", help="TrainConfig as JSON or YAML (its data section chooses the engine)")
+    r.add_argument("--datasets", help="datasets root (default: $DFLASH_DATASETS_DIR, else <workdir>/datasets of --run-dir)")
+    r.add_argument("--run-dir", help="the run directory: progress records go to its metrics.jsonl")
     e = sub.add_parser(
         "eval", help="τ of an exported drafter against its target: chain and DDTree budgets, greedy and sampled"
     )
@@ -84,6 +89,24 @@ def _eval(args) -> int:
     return 0
 
 
+def _regenerate(args) -> int:
+    """The data stage: prints `regen ...` progress lines, then the finished dataset's directory (last line)."""
+    from trainer.config import load_config
+    from trainer.regenerate import default_root, run_stage
+    from trainer.setup import resolve_sources
+
+    cfg = load_config(args.config)
+    src = resolve_sources(cfg, lambda line: print(line, flush=True))
+    if not src.regenerate:
+        raise ValueError(f"{args.config}: data.regenerate is false (or the tiny target's own data is used): nothing to "
+                         "regenerate; set data.regenerate: true and list data.train_files")
+    root = default_root(args.run_dir, args.datasets)
+    path = run_stage(cfg, src.target_dir, src.train_files, root, run_dir=args.run_dir,
+                     log=lambda line: print(line, flush=True))
+    print(path, flush=True)
+    return 0
+
+
 def _print_export_tau(cfg) -> None:
     """The tiny run's last word: τ of its export (the bf16 file through its remote code), every mode."""
     from pathlib import Path
@@ -117,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError, load_config
     from trainer.data import DataError
 
+    if args.command == "regenerate":
+        try:
+            return _regenerate(args)
+        except (ValueError, RuntimeError) as exc:  # ConfigError, DataError, RegenerateError, EngineError
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
     if args.command == "eval":
         try:
             return _eval(args)

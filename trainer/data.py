@@ -5,8 +5,8 @@ Pipeline (each stage a plain function, tested on its own):
 1. `read_conversations(paths)`: ShareGPT (`conversations: [{from, value}]`) or OpenAI (`messages: [{role,
    content}]`) records -> `Conversation`s with normalised roles. Bad records are skipped and counted in a
    `SkipReport` with `file:line`.
-2. `regenerate(target, tokenizer, conversations, max_new_tokens)`: every assistant turn replaced by the
-   target's own greedy output (docs/dflash.md §2.1: the drafter must learn what THIS target says).
+2. regeneration (trainer.regenerate, a stage of its own, on trainer.engines): every assistant turn replaced by
+   the target's own greedy output (docs/dflash.md §2.1: the drafter must learn what THIS target says).
 3. `tokenize(conversations, tokenizer, max_len)`: the tokenizer's chat template; loss mask = 1 on the tokens
    of assistant turns (their content and end-of-turn marker), 0 on system/user text and template glue.
 4. `plan_epoch(lengths, ...)`: shuffled per epoch from the seed, first-fit into `rows_per_step` rows of
@@ -206,119 +206,7 @@ def read_conversations(paths: Iterable[str | Path], report: SkipReport | None = 
     return out
 
 
-# -- 2. regeneration -------------------------------------------------------------------------------
-def _hf_model(target: Any) -> Any:
-    """The HF causal LM behind `target` (a bare HF model, or a wrapper holding one)."""
-    if hasattr(target, "generate"):
-        return target
-    for name in ("hf", "hf_model", "model"):
-        inner = getattr(target, name, None)
-        if inner is not None and hasattr(inner, "generate"):
-            return inner
-    raise TypeError(f"{type(target).__name__} has no `generate` and wraps no HF model (hf / hf_model / model)")
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return ids
-
-
-@torch.no_grad()
-def greedy_generate(
-    target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int, batch_size: int = 32
-) -> list[list[int]]:
-    """Greedy continuations of token prompts, cut at the first end-of-sequence token (excluded).
-
-    Batches are left-padded (with an attention mask) and sorted by length so padding stays small.
-
-    Returns:
-        One list of new token ids per prompt, in the input order.
-    """
-    model = _hf_model(target)
-    device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[list[int]] = [[] for _ in prompts]
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        att = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            n = len(prompts[i])
-            ids[r, width - n :] = torch.tensor(list(prompts[i]), dtype=torch.long)
-            att[r, width - n :] = 1
-        gen = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=att.to(device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=pad_id,
-            eos_token_id=sorted(eos_ids) or None,
-        )
-        for r, i in enumerate(idx):
-            new = gen[r, width:].tolist()
-            cut = next((k for k, t in enumerate(new) if t in eos_ids), len(new))
-            out[i] = new[:cut]
-    return out
-
-
-def regenerate(
-    target: Any,
-    tokenizer: Any,
-    conversations: Sequence[Conversation],
-    max_new_tokens: int,
-    *,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    batch_size: int = 32,
-) -> list[Conversation]:
-    """Replace every assistant turn with the target's own greedy output (docs/dflash.md §2.1).
-
-    Turns are regenerated in order, each conditioned on the already regenerated earlier turns, so a
-    multi-turn conversation stays one the target would have produced. The text is decoded WITHOUT
-    dropping special tokens (only the end-of-turn is cut), so re-templating gives back the same tokens.
-
-    Args:
-        target: an HF causal LM, or a wrapper with `.hf` / `.hf_model` / `.model`.
-        tokenizer: the target's tokenizer (with a chat template and a pad or eos token).
-        conversations: the conversations (their assistant texts are only placeholders).
-        max_new_tokens: cap per assistant turn.
-        chat_template_kwargs: passed to apply_chat_template (e.g. {"enable_thinking": False}).
-        batch_size: prompts generated together.
-
-    Returns:
-        New Conversation objects (the inputs are not modified). A turn that regenerates to empty text
-        keeps its conversation; `tokenize` then skips it if nothing is left to supervise.
-    """
-    kw = dict(chat_template_kwargs or {})
-    model = _hf_model(target)
-    eos = _eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    convs = [Conversation([dict(m) for m in c.messages], c.source) for c in conversations]
-    max_turns = max((sum(m["role"] == "assistant" for m in c.messages) for c in convs), default=0)
-    for turn in range(max_turns):
-        jobs = []  # (conversation index, message index)
-        for ci, c in enumerate(convs):
-            seen = -1
-            for mi, m in enumerate(c.messages):
-                if m["role"] == "assistant":
-                    seen += 1
-                    if seen == turn:
-                        jobs.append((ci, mi))
-                        break
-        prompts = [
-            tokenizer.apply_chat_template(convs[ci].messages[:mi], add_generation_prompt=True, tokenize=False, **kw)
-            for ci, mi in jobs
-        ]
-        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        new = greedy_generate(model, prompt_ids, max_new_tokens, eos, pad, batch_size=batch_size)
-        for (ci, mi), toks in zip(jobs, new):
-            convs[ci].messages[mi]["content"] = tokenizer.decode(toks, skip_special_tokens=False)
-    return convs
+# -- 2. regeneration: trainer.engines (the engines) and trainer.regenerate (the stage) ----------------
 
 
 # -- 3. tokenisation -------------------------------------------------------------------------------

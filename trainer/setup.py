@@ -26,8 +26,10 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.data import (
-    DataError, Sample, SkipReport, load_samples, read_conversations, read_prompts, regenerate, save_samples, tokenize,
+    DataError, Sample, SkipReport, load_samples, read_conversations, read_prompts, save_samples, tokenize,
 )
+from trainer.regenerate import regenerated_files
+from trainer.store import datasets_root
 
 SAMPLES = Path("data") / "samples.jsonl"
 """Where the tokenised samples of a run live, relative to the run directory."""
@@ -143,10 +145,12 @@ def build_samples(cfg: TrainConfig, src: Sources, target, tokenizer, out: Path, 
             raise DataError(f"{f}: no such data file (check data.train_files in the config)")
     data, kw = cfg.data, dict(cfg.data.chat_template_kwargs)
     report = SkipReport()
-    convs = read_conversations(src.train_files, report)
     if src.regenerate:
-        log(f"data: regenerating {len(convs)} conversations with the target (greedy, {data.regenerate_max_new_tokens} tokens max)")
-        convs = regenerate(target, tokenizer, convs, data.regenerate_max_new_tokens, chat_template_kwargs=kw)
+        files = regenerated_files(cfg, src.target_dir, src.train_files, datasets_root(out), report,
+                                  target=target, tokenizer=tokenizer, run_dir=out, log=log)
+        convs = read_conversations(files, report)
+    else:
+        convs = read_conversations(src.train_files, report)
     samples = tokenize(convs, tokenizer, data.max_len, report, min_supervised=2, chat_template_kwargs=kw)
     if not samples:
         raise DataError(f"no usable training samples in {src.train_files}: {report.summary()}")
