@@ -91,6 +91,19 @@ class SkipReport:
     def to_dict(self) -> dict[str, Any]:
         return {"total": self.total, "counts": dict(self.counts), "where": self.where}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SkipReport":
+        """Inverse of `to_dict`."""
+        return cls(Counter(d.get("counts", {})), {k: list(v) for k, v in d.get("where", {}).items()})
+
+    def merge(self, other: "SkipReport") -> None:
+        """Add `other`'s counts and locations after this one's (reports of consecutive chunks, merged in
+        order, equal the report of one pass over all of them)."""
+        for reason, n in other.counts.items():
+            self.counts[reason] += n
+            lst = self.where.setdefault(reason, [])
+            lst.extend(other.where.get(reason, [])[: max(0, self.max_examples - len(lst))])
+
 
 @dataclass
 class Conversation:
@@ -191,19 +204,26 @@ def read_conversations(paths: Iterable[str | Path], report: SkipReport | None = 
             raise DataError(f"{p}: no such data file (check data.train_files / data.eval_files in the config)")
         with open(p, encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                source = f"{p}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    report.add(source, BadRecord("bad JSON", str(exc)))
-                    continue
-                try:
-                    out.append(Conversation(normalize_record(obj), source))
-                except BadRecord as err:
-                    report.add(source, err)
+                conv = parse_line(line, f"{p}:{lineno}", report)
+                if conv is not None:
+                    out.append(conv)
     return out
+
+
+def parse_line(line: str, source: str, report: SkipReport) -> Conversation | None:
+    """One jsonl line -> its Conversation; None for a blank line or a bad record (counted in `report`)."""
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        report.add(source, BadRecord("bad JSON", str(exc)))
+        return None
+    try:
+        return Conversation(normalize_record(obj), source)
+    except BadRecord as err:
+        report.add(source, err)
+        return None
 
 
 # -- 2. regeneration: trainer.engines (the engines) and trainer.regenerate (the stage) ----------------
@@ -293,7 +313,10 @@ def tokenize(
 
 
 def save_samples(samples: Sequence[Sample], path: str | Path) -> None:
-    """Write tokenised samples as jsonl (temp file + rename: never half-written)."""
+    """Write tokenised samples as jsonl (temp file + rename: never half-written).
+
+    The list path, kept as the baseline of bench/data_scale.py and the tests: a run's samples live in a
+    token store (trainer.store), whose memory does not grow with the dataset."""
     p = Path(path)
     tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -317,7 +340,7 @@ def load_samples(path: str | Path) -> list[Sample]:
 
 # -- 4. packing plan -------------------------------------------------------------------------------
 def plan_epoch(
-    lengths: Sequence[int],
+    lengths: Sequence[int] | Any,
     row_len: int,
     rows_per_step: int,
     token_budget: int,
@@ -333,6 +356,9 @@ def plan_epoch(
     rows. A document that fits nowhere waits for the next step (which starts with the waiting ones);
     the step closes once `lookahead` documents wait, so later short documents can fill the gaps.
 
+    Args:
+        lengths: tokens per sample (a list, or a store's numpy lengths array).
+
     Raises:
         DataError: the budget cannot hold rows_per_step rows, or a document is longer than a row.
     """
@@ -341,21 +367,31 @@ def plan_epoch(
             f"{rows_per_step} rows x {row_len} tokens = {rows_per_step * row_len} exceeds token_budget {token_budget}; "
             "lower data.max_batch_size or data.max_len, or raise data.token_budget"
         )
-    for i, n in enumerate(lengths):
-        if n > row_len:
-            raise DataError(f"sample {i} has {n} tokens, longer than a packed row ({row_len}); filter with max_len first")
+    lengths = lengths.tolist() if hasattr(lengths, "tolist") else list(lengths)  # numpy: Python ints, read fast
+    if lengths and max(lengths) > row_len:
+        i = next(i for i, n in enumerate(lengths) if n > row_len)
+        raise DataError(f"sample {i} has {lengths[i]} tokens, longer than a packed row ({row_len}); filter with max_len first")
     order = list(range(len(lengths)))
     random.Random(f"{seed}:{epoch}").shuffle(order)
     steps: list[list[list[int]]] = []
-    queue = order
-    while queue:
+    # The queue of a step is `head` (the documents that waited, then any the last step did not reach) followed
+    # by order[pos:]; kept apart so a step costs O(lookahead), not a copy of the whole remaining order.
+    head: list[int] = []
+    pos = 0
+    while head or pos < len(order):
         rows: list[list[int]] = []
         used: list[int] = []
         waiting: list[int] = []
-        k = 0
-        while k < len(queue) and len(waiting) < lookahead:
-            i = queue[k]
-            k += 1
+        h = 0
+        while len(waiting) < lookahead:
+            if h < len(head):
+                i = head[h]
+                h += 1
+            elif pos < len(order):
+                i = order[pos]
+                pos += 1
+            else:
+                break
             n = lengths[i]
             r = next((j for j, u in enumerate(used) if u + n <= row_len), None)
             if r is None and len(rows) < rows_per_step:
@@ -368,7 +404,7 @@ def plan_epoch(
             rows[r].append(i)
             used[r] += n
         steps.append(rows)
-        queue = waiting + queue[k:]
+        head = waiting + head[h:]
     return steps
 
 
@@ -399,7 +435,7 @@ def build_step(samples: Sequence[Sample], rows: Sequence[Sequence[int]], row_len
     """Lay the documents of one step out in [len(rows), row_len] tensors.
 
     Args:
-        samples: all samples; rows hold indices into it.
+        samples: all samples (a list, or a trainer.store.TokenStore); rows hold indices into it.
         rows: the step's rows (from `plan_epoch`).
         row_len: tokens per row.
         pad_id: token id on padding (never supervised: loss_mask 0, doc_ids -1).

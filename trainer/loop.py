@@ -217,9 +217,9 @@ class RemoteFeatures:
 def serve_features(cfg: TrainConfig, world: World, log: Log) -> None:
     """A target rank: compute and send the features of its batches, step by step, `prefetch` ahead."""
     assets = load_assets(cfg, world.device, builds_data=world.rank == 0, wants_eval=False, log=log,
-                         share=world.sample_share())
+                         share=world.store_share())
     schedule = Schedule(world.layout, cfg.batches_per_step)
-    plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
+    plan = make_plan(cfg, assets.samples.lengths, schedule.per_step)
     spec = feature_spec(cfg, assets, world.device)
     step = world.agree_step(0)
     per_step = max(1, -(-schedule.per_step // world.layout.num_targets))
@@ -552,9 +552,9 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
         write_json(out / "config.resolved.json", cfg.model_dump(mode="json"))
     # A drafter rank of a split layout computes no features: the target's embedding, head and norm suffice.
     assets = load_assets(cfg, world.device, builds_data=layout.colocated, wants_eval=world.is_main, log=log,
-                         whole_target=layout.colocated, share=world.sample_share())
+                         whole_target=layout.colocated, share=world.store_share())
     schedule = Schedule(layout, cfg.batches_per_step)
-    plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
+    plan = make_plan(cfg, assets.samples.lengths, schedule.per_step)
     drafter = build_drafter(cfg, assets, world, log)
     step, resumed = resume(cfg, world, drafter, schedule.per_step, log)
     if layout.colocated:
