@@ -166,6 +166,15 @@ MUTANTS = [
             "tests/orchestrator/agent/test_baseline.py::test_a_real_run_stopped_with_exit_0_is_not_the_baseline_of_the_next"],
            [("orchestrator/agent/tailer.py", 'state_of(exit_info, False, stopped_by(other, exit_info)) != "succeeded"',
              'exit_info.get("exit_code") != 0')]),
+    # -- verification skip: the verified-wheels record
+    Mutant("skip-key-no-patch-version", "the Python patch version dropped from the key (3.11.4's verification skips on 3.11.9)",
+           ["tests/orchestrator/agent/test_importcheck.py::test_a_wheel_verified_under_another_patch_version_of_python_is_imported_again"],
+           [("orchestrator/agent/importcheck.py", "{sys.implementation.name}-{platform.python_version()}-{sys.platform}",
+             "{sys.implementation.name}-{'.'.join(platform.python_version().split('.')[:2])}-{sys.platform}")]),
+    Mutant("skip-records-failed", "a wheel whose import FAILED is recorded as verified (and skipped next time)",
+           ["tests/orchestrator/agent/test_importcheck.py::test_a_wheel_whose_import_failed_is_not_recorded_and_is_imported_again"],
+           [("orchestrator/agent/venvinfo.py", "if record is not None and not failed and not missing:",
+             "if record is not None and not missing:")]),
 ]
 
 
