@@ -21,7 +21,8 @@ node's loss: `lost rank R (drafter, node 1 (ct201), ...)`, in root_cause.json's 
 `--resume RUN_DIR` continues RUN_DIR from its newest complete checkpoint (config: --config, else
 RUN_DIR/config.json). Exit codes: 0 done; 2 bad config, layout or data, or nothing to resume (the message
 says what to fix); the root-cause rank's exit code (1 when it was killed by a signal); 128 + N when this
-process was stopped by signal N (the ranks are stopped with it).
+process was stopped by signal N (the ranks are stopped with it). A rank dies with this process, also when it is
+SIGKILLed (trainer.rank.die_with_launcher).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import TextIO
 from trainer.config import ConfigError, TrainConfig, load_config, parse_endpoint
 from trainer.distributed import NODE_ENV
 from trainer.layout import Layout
+from trainer.rank import LAUNCHER_PID_ENV
 
 SHUTDOWN_TIMEOUT_S = 10
 """Seconds the agent gives the other ranks between SIGTERM and SIGKILL after a failure or a stop."""
@@ -167,6 +169,7 @@ def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / failures.ROOT_CAUSE_FILE).unlink(missing_ok=True)  # a cause of an earlier attempt is not this one's
     os.environ.update(rank_environment(layout, dict(os.environ), node.index))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (trainer.rank)
     mine = layout.node_ranks(node.index)
     where = f" on node {node.index} of {node.count} (rendezvous {node.rdzv_endpoint})" if node.count > 1 else ""
     log(f"{len(mine)} of {layout.world_size} rank(s){where}, max_restarts {cfg.max_restarts}, "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 # driver and venvinfo too, though only a run on GPUs and a venv check use them: the agent imports its verb
 # before it reads the request, so their import is not on a launch's path once the request is there.
-from orchestrator.agent import claims, driver, gpu, resume, runs, tmuxctl, venvinfo
+from orchestrator.agent import claims, driver, gpu, resume, runprocs, runs, tmuxctl, venvinfo
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import LaunchAnswer, LaunchRequest
 from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, build_command, run_config
@@ -41,6 +41,23 @@ def check_session(name: str, experiment: str, replace: bool) -> dict | None:
             data={"session": name, "run_id": rid},
         )
     return s
+
+
+def check_run_processes(workdir: str, experiment: str, replacing: str | None) -> None:
+    """No process of an earlier run of this experiment may live (a rank that outlived its launcher, a child
+    that left its group): it would share the GPUs and the data with the new run. The run --replace stops is
+    exempt (its stop ends every process of it).
+
+    Raises:
+        AgentFailure("RunProcessesAlive"): naming the run and each process (pid, command line).
+    """
+    marked = runprocs.marked_processes()
+    for ref in runs.run_refs(workdir):
+        if ref.experiment != experiment or ref.run_id == replacing:
+            continue
+        if runprocs.of_run(marked, ref.path) or (runs.read_pid(ref.path) is not None and runs.command_alive(ref)):
+            runs.check_no_processes(ref, f"cannot launch {experiment}",
+                                    fix=f"dflashctl stop {ref.run_id}   (ends every process of it), then launch again")
 
 
 def check_driver(req: LaunchRequest, gpus: list[int], emit) -> None:
@@ -226,10 +243,11 @@ def plan(req: LaunchRequest, emit) -> LaunchPlan:
 
     Raises:
         AgentFailure: the refusals a launch makes before it changes anything (BadName, BadRunId,
-            SessionExists, ResumeNotFound, ResumeMismatch, NothingToResume, BadRequest, ...).
+            SessionExists, RunProcessesAlive, ResumeNotFound, ResumeMismatch, NothingToResume, BadRequest, ...).
     """
     session = tmuxctl.session_name(runs.check_name("experiment", req.experiment))
     old = check_session(session, req.experiment, req.replace)
+    check_run_processes(req.workdir, req.experiment, old.get("run_id") if old is not None and req.replace else None)
     src = resume_source(req, emit)
     gpus = run_gpus(req, src, emit)
     run_id = runs.free_run_id(req.workdir, runs.check_run_id(req.run_id))

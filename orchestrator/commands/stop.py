@@ -23,8 +23,10 @@ def stop_cmd(
             console().print(f"node {i}: " + (str(r) if isinstance(r, Exception) else
                             f"run {r.run_id} {run_state(r.state, (r.exit or {}).get('stopped'))}"), soft_wrap=True)
         return
-    how = "had already ended" if res.already_ended else f"stopped with {', '.join(res.signals)}"
-    console().print(f"run {res.run_id} {how}: {run_state(res.state, (res.exit or {}).get('stopped'))}"
+    how = "had already ended: " if res.already_ended else (
+        f"stopped with {', '.join(res.signals)}: " if res.signals else  # no signal: nothing was left to get one
+        "- the run's processes are gone (container restarted?); marked ")
+    console().print(f"run {res.run_id} {how}{run_state(res.state, (res.exit or {}).get('stopped'))}"
                     + (f" (exit code {res.exit.get('exit_code')})" if res.exit else ""), soft_wrap=True)
 
 
