@@ -175,6 +175,24 @@ MUTANTS = [
            ["tests/orchestrator/agent/test_importcheck.py::test_a_wheel_whose_import_failed_is_not_recorded_and_is_imported_again"],
            [("orchestrator/agent/venvinfo.py", "if record is not None and not failed and not missing:",
              "if record is not None and not missing:")]),
+    # -- gradient accumulation: several batches per drafter per step
+    Mutant("ddp-reduce-first-batch", "DDP all-reduces on the FIRST micro-batch of a step (the others stay local)",
+           ["tests/trainer/test_accumulation.py::test_two_drafters_with_two_batches_each_match_one_process_accumulating_four"],
+           [("trainer/loop.py", "last = j == len(items) - 1", "last = j == 0")]),
+    Mutant("accumulation-summed", "the step's batches' gradients summed, not averaged",
+           ["tests/trainer/test_accumulation.py::test_two_drafters_with_two_batches_each_match_one_process_accumulating_four"],
+           [("trainer/loop.py", "scale = 1.0 / len(items)", "scale = 1.0")]),
+    # -- follow: the reconnect policy of logs --follow
+    Mutant("follow-give-up-counts-every-outage", "progress resets the backoff but not the outage clock (the give-up counts every outage since the first)",
+           ["tests/orchestrator/ops/test_follow_reconnect.py::test_outages_separated_by_progress_each_get_the_whole_give_up_time"],
+           [("orchestrator/ops/logs.py", "            attempt, down_since = 0, None\n", "            attempt = 0\n")]),
+    Mutant("follow-host-key-transient", "a changed host key is retried as a dropped connection",
+           ["tests/orchestrator/ops/test_follow_reconnect.py::test_a_host_key_that_changed_during_a_follow_is_refused_at_once"],
+           [("orchestrator/ops/logs.py", "        return False  # a changed or unknown host key never fixes itself",
+             "        return True")]),
+    Mutant("follow-stopped-is-failed", "a stopped run's follow exits 1 like a failed one, not 5",
+           ["tests/orchestrator/ops/test_follow_reconnect.py::test_a_run_stopped_during_the_follow_ends_it_with_exit_code_5"],
+           [("orchestrator/ops/logs.py", '        if self.state == "stopped":\n            return EXIT_STOPPED\n', "")]),
 ]
 
 
