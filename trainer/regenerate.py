@@ -586,7 +586,7 @@ class _Lock:
     """An exclusive flock on a dataset directory: one stage per dataset; released when its process ends."""
 
     def __init__(self, out: Path):
-        self.path = out / ".lock"
+        self.path = out.with_name(f".{out.name}.lock")  # beside the dataset: nothing in it but the dataset
         self.f = open(self.path, "a+")
         try:
             fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -633,13 +633,14 @@ def run_stage(cfg: TrainConfig, target_dir: str | Path, train_files: Sequence[st
     inputs = key_inputs(cfg, target_dir, train_files, spec, root)
     key = dataset_key(inputs)
     out = dataset_dir(root, key)
-    out.mkdir(exist_ok=True)
     lock = _Lock(out)
+    out.mkdir(exist_ok=True)
     metrics = None
     try:
-        if (out / MANIFEST).is_file() and read_manifest(out).get("complete"):
+        m = read_manifest(out) if (out / MANIFEST).is_file() else {}
+        # Complete, unless the user removed a bad shard with its record (the fix the errors print): then resume.
+        if m.get("complete") and all(_record_path(out, r["index"]).is_file() for r in m["shards"]):
             files = dataset_files(out)
-            m = read_manifest(out)
             log(f"regen reused=1 key={key[:24]} conversations={m['conversations']} regenerated=0 shards={len(files)} "
                 f"path={out}")
             return out
