@@ -63,7 +63,7 @@ def convs_file(tmp_path_factory) -> Path:
 
 
 def _cfg(target_dir: Path, files, **data):
-    raw = {"model": {"target": str(target_dir)},
+    raw = {"model": {"target": str(target_dir), "num_target_features": 1},
            "data": {"train_files": [str(f) for f in files], "regenerate_max_new_tokens": MAX_NEW,
                     "regenerate_shard_size": SHARD, **data}}
     return parse_config(raw)
@@ -228,6 +228,28 @@ def test_a_corrupt_or_truncated_shard_is_named_with_a_fix_that_works(tmp_path, t
     run_stage(cfg, target_dir, [convs_file], root, engine=hf_engine, tokenizer=hf_engine.tokenizer, log=lines.append)
     assert any(f"regenerated={SHARD} " in x for x in lines)
     assert _tree(out) == _tree(reference)
+
+
+def test_the_trainer_regenerates_in_process_once_then_reuses_the_dataset(tmp_path, target_dir, convs_file, reference):
+    """build_samples with data.regenerate: the first run of a target makes the dataset in process (hf, the
+    trainer's own target) under the workdir's datasets/, the same bytes as the stage's; a second run of the same
+    key reuses it and regenerates nothing; the bad input line is in the run's skip report."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from trainer.setup import Sources, build_samples, load_target
+
+    cfg = _cfg(target_dir, [convs_file])
+    target = load_target(cfg, target_dir, torch.device("cpu"))
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    src = Sources(target_dir, [str(convs_file)], [], True)
+    for run, expect in (("r1", "todo=5 "), ("r2", "reused=1")):
+        lines: list[str] = []
+        build_samples(cfg, src, target, tok, tmp_path / "runs" / run, lines.append)
+        assert any(expect in x for x in lines), lines
+        skipped = json.loads((tmp_path / "runs" / run / "data" / "skipped.json").read_text())
+        assert skipped["counts"].get("bad JSON") == 1
+    assert _tree(tmp_path / "datasets" / reference.name) == _tree(reference)
 
 
 def _start_and_wait_worker(proc) -> int:
