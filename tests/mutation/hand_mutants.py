@@ -193,6 +193,19 @@ MUTANTS = [
     Mutant("follow-stopped-is-failed", "a stopped run's follow exits 1 like a failed one, not 5",
            ["tests/orchestrator/ops/test_follow_reconnect.py::test_a_run_stopped_during_the_follow_ends_it_with_exit_code_5"],
            [("orchestrator/ops/logs.py", '        if self.state == "stopped":\n            return EXIT_STOPPED\n', "")]),
+    # -- the venv script: switch, prune, no-op
+    Mutant("venv-prune-takes-previous", "pruning no longer protects `previous` (keep 1 deletes the venv a rollback needs)",
+           ["tests/orchestrator/test_rebuild_venv_switch.py::test_keep_1_keeps_the_previous_venv_and_a_rollback_finds_it"],
+           [("templates/rebuild_venv.sh", 'if [ "$d" = "$name" ] || [ "$d" = "$prev" ]; then', 'if [ "$d" = "$name" ]; then')]),
+    Mutant("venv-relink-not-atomic", "`current` relinked by rm, a pause, ln (a reader finds it missing meanwhile)",
+           ["tests/orchestrator/test_rebuild_venv_switch.py::test_a_reader_of_current_never_finds_it_missing_during_a_switch"],
+           [("templates/rebuild_venv.sh",
+             'relink() { ln -sfn -- "$2" "$venvs/.$1.tmp.$$" && mv -fT -- "$venvs/.$1.tmp.$$" "$venvs/$1"; }',
+             'relink() { rm -f -- "$venvs/$1" && sleep 0.3 && ln -sfn -- "$2" "$venvs/$1"; }')]),
+    Mutant("venv-noop-ignores-python", "the no-op check ignores the stamp's Python (another `python:` on the same lock: nothing to do)",
+           ["tests/orchestrator/test_rebuild_venv_switch.py::test_the_same_lock_under_another_python_request_is_not_a_no_op"],
+           [("templates/rebuild_venv.sh", '[ "$s_bundle" = "$bundle_hash" ] && [ "$s_py" = "$py_req" ]',
+             '[ "$s_bundle" = "$bundle_hash" ]')]),
 ]
 
 
