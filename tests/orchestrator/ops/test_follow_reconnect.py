@@ -111,21 +111,21 @@ class Outages:
 
 @pytest.mark.usefixtures("isolated_tmux")
 def test_outages_separated_by_progress_each_get_the_whole_give_up_time(local_target):
-    """Four outages of 0.7 s, each after lines were delivered, with a give-up time of 1.5 s: together they last
-    longer than 1.5 s, but none does, so the follow reconnects after each and sees the run to its end, every
-    line once. (A give-up clock that kept running from the first outage ends it as "lost".)"""
-    n = 120
-    res = launch(local_target, spec("outages", writer(n, 0.1)))
-    target = Outages(local_target.workdir, count=4, down_s=0.7)
+    """Six outages of 0.6 s, each after lines were delivered, with a give-up time of 3 s: together they last
+    longer than 3 s, but none comes near it, so the follow reconnects after each and sees the run to its end,
+    every line once. (A give-up clock that kept running from the first outage ends it as "lost".)"""
+    n = 400
+    res = launch(local_target, spec("outages", writer(n, 0.05)))
+    target = Outages(local_target.workdir, count=6, down_s=0.6)
     lines: list[str] = []
     statuses: list[str] = []
     out = follow(target, res.run_id, on_line=lines.append, on_status=statuses.append, heartbeat=1.0,
-                 backoff=Backoff(initial=0.05, factor=2.0, cap=0.2, jitter=0.0, give_up_s=1.5))
-    assert target.left == 0 and len(target.outages) == 4, target.outages
-    assert all(failed >= 1 for _, failed in target.outages) and sum(s for s, _ in target.outages) > 1.5
+                 backoff=Backoff(initial=0.05, factor=2.0, cap=0.2, jitter=0.0, give_up_s=3.0))
+    assert target.left == 0 and len(target.outages) == 6, target.outages
+    assert all(failed >= 1 for _, failed in target.outages) and sum(s for s, _ in target.outages) > 3.0
     assert (out.state, out.exit_code, out.error) == ("succeeded", 0, None), (out.error, statuses[-3:])
     assert [x for x in lines if x.startswith("line ")] == [f"line {i:06d}" for i in range(n)]
-    assert out.reconnects == len(statuses) >= 4 + 4
+    assert out.reconnects == len(statuses) >= 6 + 6
 
 
 @pytest.mark.usefixtures("isolated_tmux")
