@@ -11,6 +11,7 @@ its lines are neither shown nor counted, and the next exec sends them again, onc
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -533,7 +534,9 @@ def _notify(inv, kind: str, run_id: str | None, experiment: str | None, message:
     from orchestrator.notify import EVENT_KINDS, make_event, notify
 
     if kind in EVENT_KINDS:
-        notify(cfg, make_event(kind, run_id, experiment=experiment, message=message, diagnosis=diagnosis, **extra))
+        event = make_event(kind, run_id, experiment=experiment, message=message, diagnosis=diagnosis, **extra)
+        for failed in (o for o in notify(cfg, event) if not o.ok):  # one warning per failed channel, on stderr
+            print(failed.warning(kind, inv.source), file=sys.stderr, flush=True)
 
 
 def logs(inv, ref: str | None = None, *, target: str | None = None, following: bool = True, tail: int | None = None,
