@@ -12,7 +12,7 @@ import fcntl
 import json
 import os
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +162,6 @@ class RunRecord:
         return cls(run_id=rec["run_id"], experiment=rec.get("experiment"), target=rec.get("target"),
                    run_dir=rec.get("run_dir"), gpus=list(rec.get("gpus") or []), nodes=nodes,
                    stopped=rec.get("stopped"), raw=dict(rec))
-
-    def node_dicts(self) -> list[dict]:
-        return [{f.name: getattr(n, f.name) for f in fields(n)} for n in self.nodes]
 
 
 def find_run(ref: str) -> RunRecord:
