@@ -1,4 +1,4 @@
-"""One follow, wherever it starts (issue 10, item 10): `launch --follow` and `logs --follow` are the same code
+"""One follow, wherever it starts: `launch --follow` and `logs --follow` are the same code
 and print the same alerts and signature diagnoses (never a raw dict); an alert states its configured
 threshold. Through the installed `dflashctl` console script, on the local target."""
 
