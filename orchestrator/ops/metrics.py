@@ -109,6 +109,10 @@ def series_from_rows(run_id: str, rows: list[dict], total: int | None = None) ->
         if xs:
             out.series[title] = (xs, ys)
             out.panels[title] = [title]
+    regen = regen_series(rows)
+    if regen:
+        out.series.update(regen)
+        out.panels.update({title: [title] for title in regen})
     real = _real_tau(rows)
     if real:
         out.series.update(real)
@@ -116,6 +120,22 @@ def series_from_rows(run_id: str, rows: list[dict], total: int | None = None) ->
         out.panels.pop("simulated τ", None)
         out.panels[TAU_PANEL] = sim + list(real)
     return out
+
+
+REGEN_PANELS = ("regeneration tokens/s", "regeneration done (fraction of conversations)")
+
+
+def regen_series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """The data stage's progress (trainer.regenerate's `kind: regen` records) against its elapsed seconds:
+    tokens/s of all engines, and the fraction of the conversations done. Empty when the run regenerated nothing."""
+    xs, rate, done = [], [], []
+    for row in rows:
+        if row.get("kind") != "regen" or not row.get("regen_conversations_total"):
+            continue
+        xs.append(float(row.get("regen_elapsed_s") or 0.0))
+        rate.append(float(row.get("regen_tokens_per_s") or 0.0))
+        done.append(row.get("regen_conversations", 0) / row["regen_conversations_total"])
+    return {REGEN_PANELS[0]: (xs, rate), REGEN_PANELS[1]: (xs, done)} if xs else {}
 
 
 def render_terminal(ms: MetricsSeries, width: int = 100, height: int = 12) -> str:
