@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
 # Normalised roles -> the spellings accepted in each format.
@@ -271,11 +272,12 @@ def tokenize_conversation(
     offsets = enc.get("offset_mapping")
     if offsets is None:
         raise BadRecord("tokenizer has no offsets", "use a fast tokenizer (PreTrainedTokenizerFast)")
-    mask = []
-    for start, end in offsets:
-        # A token belongs to a turn if its first character does; zero-width tokens use their position.
-        mask.append(int(any(s <= start < e for s, e in spans)))
-    return ids, mask
+    # A token belongs to a turn if its first character does; zero-width tokens use their position.
+    starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
+    inside = np.zeros(len(starts), dtype=bool)
+    for s, e in spans:
+        inside |= (starts >= s) & (starts < e)
+    return ids, inside.astype(np.int64).tolist()
 
 
 def tokenize(
