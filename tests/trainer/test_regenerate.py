@@ -433,6 +433,7 @@ def _agreement(a: Path, b: Path, tokenizer) -> tuple[int, int]:
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)  # an engine's first start compiles for minutes on a busy 2-core machine
 def test_vllm_and_hf_engines_regenerate_the_same_texts(vllm_dataset, reference, hf_engine, target_dir, convs_file):
     """fp32: the vllm engine's turns equal the hf engine's token for token (reported, bounded at 98 %); the
     trainer's venv without vLLM finds the vllm dataset by its key inputs (any vLLM version)."""
@@ -448,7 +449,7 @@ def test_vllm_and_hf_engines_regenerate_the_same_texts(vllm_dataset, reference, 
 
 
 @pytest.fixture(scope="module")
-def vllm_server(target_dir):
+def vllm_server(tmp_path_factory, target_dir):
     """A real OpenAI-compatible server: vLLM's api_server (fp32) on 127.0.0.1, for the module."""
     import socket
 
@@ -456,9 +457,10 @@ def vllm_server(target_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("vllm-server") / "server.log", "w+")  # read only on failure: never a full pipe
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir),
                              "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--seed", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **VLLM_ENV},
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV},
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -466,7 +468,8 @@ def vllm_server(target_dir):
 
         def up():
             if proc.poll() is not None:
-                raise AssertionError(f"vLLM's server exited: {proc.stderr.read()[-3000:]}")
+                log.seek(0)
+                raise AssertionError(f"vLLM's server exited: {log.read()[-3000:]}")
             try:
                 return urllib.request.urlopen(f"{url}/v1/models", timeout=2).status == 200
             except OSError:
@@ -480,9 +483,11 @@ def vllm_server(target_dir):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)  # an engine's first start compiles for minutes on a busy 2-core machine
 def test_openai_engine_against_a_real_vllm_server(tmp_path, vllm_server, reference, hf_engine, target_dir, convs_file):
     """The openai engine regenerates the dataset through a real server (bounded requests in flight); its turns
     agree with the hf engine's (fp32; reported, bounded at 98 %)."""
