@@ -43,6 +43,16 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     e.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
     e.add_argument("--json", dest="json_out", help="also write the full report (per prompt, histograms) here")
+    e.add_argument("--engine", default="own", choices=["own", "vllm"],
+                   help="own: the project's decode loop (default); vllm: also vLLM's DFlash speculative decoding "
+                        "and plain vLLM on the same prompts (greedy; needs vLLM in this interpreter)")
+    e.add_argument("--tolerance", type=float, default=None,
+                   help="--engine vllm: largest per-prompt |vLLM - project| acceptance length accepted")
+    e.add_argument("--reference-export", default=None,
+                   help="--engine vllm: the drafter vLLM's numbers must match (default: --export itself; give the "
+                        "trainer's own export when vLLM serves a converted copy)")
+    e.add_argument("--metrics", default=None,
+                   help="--engine vllm: append the numbers to this metrics.jsonl (a run's, for dflashctl metrics)")
     return p
 
 
@@ -73,6 +83,8 @@ def _eval(args) -> int:
     except ValidationError as exc:
         err = exc.errors()[0]
         raise ValueError(f"--{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}") from None
+    if args.engine == "vllm":
+        return _eval_vllm(args, kwargs)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cpu":
         from trainer.config import LayoutConfig
@@ -104,6 +116,32 @@ def _regenerate(args) -> int:
     path = run_stage(cfg, src.target_dir, src.train_files, root, run_dir=args.run_dir,
                      log=lambda line: print(line, flush=True))
     print(path, flush=True)
+    return 0
+
+
+def _eval_vllm(args, chat_template_kwargs: dict) -> int:
+    """`eval --engine vllm`: vLLM's DFlash speculative decoding and plain vLLM beside the project's loop
+    (greedy chain), judged: exit 1 on a lossy output or a per-prompt acceptance beyond the tolerance."""
+    from trainer.vllm_eval import DEFAULT_TOLERANCE, EngineError, evaluate_in_vllm, judge
+
+    tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    report = evaluate_in_vllm(
+        args.export, args.target, args.prompts, max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts,
+        chat_template_kwargs=chat_template_kwargs, tolerance=tolerance, reference_export=args.reference_export,
+    )
+    print(report.table(), flush=True)
+    if args.json_out:
+        print(f"wrote {report.save(args.json_out)}", flush=True)
+    if args.metrics:
+        from trainer.metrics import MetricsWriter
+
+        with MetricsWriter(args.metrics) as writer:
+            writer.write({"kind": "eval_vllm", **report.to_record()})
+    try:
+        judge(report, args.export)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -204,6 +204,12 @@ class EvalConfig(_Strict):
     """0 = greedy; > 0 = speculative sampling at that temperature (lossless in distribution)."""
     seed: int = 0
     """Seed of the sampling at T > 0, so two evaluations of the same weights agree."""
+    export_check: bool = True
+    """At step 0 and at every save, write the export, load it as engines do and compare every tensor and config
+    field with the drafter being trained (trainer.export_check); a mismatch stops the run."""
+    engine: Literal["own", "vllm"] = "own"
+    """Where the export will be judged and served: vllm refuses at step 0 a target that vLLM's attention cannot
+    serve on this device (e.g. head_dim 16 on CPU), then judge it with `python -m trainer eval --engine vllm`."""
 
     @field_validator("budgets")
     @classmethod
