@@ -39,6 +39,9 @@ BUNDLE_PACKAGES = ("orchestrator", "trainer")
 # The bundle code that runs inside the target; everything it reaches through imports must be installed.
 # (The rest of `orchestrator` is the workstation CLI: typer, paramiko... are not in the target's lock.)
 CONTAINER_ROOTS = ("orchestrator.agent", "trainer")
+# Imported by the bundle only where it is asked for, in a venv that holds it: vLLM (the data stage's engine in
+# its own venv, the data_venv; `python -m trainer eval --engine vllm`). A training venv's lock need not have it.
+ON_REQUEST = ("vllm",)
 EXIT_VERIFY_FAILED = 3
 
 
@@ -169,7 +172,7 @@ def bundle_requirements(roots=CONTAINER_ROOTS, search: list[str] | None = None) 
             parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
             for module, subs, node in _imports(tree, name, path.name == "__init__.py"):
                 top = module.split(".")[0]
-                if not top or top in stdlib or _optional_import(node, parents):
+                if not top or top in stdlib or top in ON_REQUEST or _optional_import(node, parents):
                     continue
                 if top in BUNDLE_PACKAGES:
                     # `from orchestrator.agent import gpu` imports the submodule `gpu`: follow both.
