@@ -261,6 +261,39 @@ class DflashExperiment(_Strict):
         return self.layout.gpus
 
 
+class SecretEnv(_Strict):
+    """An environment value read from THIS workstation's environment at launch (an API key, a token): it
+    reaches the run through the agent's stdin and never a record, a log, the dry-run plan or a file that stays
+    on disk (orchestrator.agent.runcommand.SECRET_FILE)."""
+
+    secret: Literal[True]
+    """`true`: the value is secret."""
+    from_env: str | None = None
+    """The workstation's variable to read (default: the same name)."""
+
+
+def resolve_env(env: dict, where: str) -> tuple[dict[str, str], list[str]]:
+    """(every value as text, the names of the secret ones) of an experiment's `env`, the secrets read from
+    this process's environment now.
+
+    Raises:
+        UserError: a secret's variable is not set here (names it, `where` and the export that fixes it).
+    """
+    out: dict[str, str] = {}
+    secret: list[str] = []
+    for key, value in env.items():
+        if isinstance(value, SecretEnv):
+            var = value.from_env or key
+            if var not in os.environ:
+                raise UserError(f"{where}.env.{key} is secret (read from this workstation's ${var} at launch), "
+                                f"but ${var} is not set", fix=f"export {var}=... in this shell, then launch again")
+            out[key] = os.environ[var]
+            secret.append(key)
+        else:
+            out[key] = value
+    return out, secret
+
+
 class CommandExperiment(_Strict):
     """Any training command (bring your own trainer), run in tmux with the same run directory."""
 
@@ -274,8 +307,9 @@ class CommandExperiment(_Strict):
     """The argv to run (no shell; use ["bash", "-c", "..."] for one)."""
     gpus: list[Annotated[int, Field(ge=0)]] = []
     """GPUs it uses (sets CUDA_VISIBLE_DEVICES; checked idle before launch)."""
-    env: dict[str, str] = {}
-    """Extra environment variables."""
+    env: dict[str, Union[str, SecretEnv]] = {}
+    """Extra environment variables; `NAME: {secret: true}` takes NAME's value from the workstation's
+    environment at launch and keeps it out of every record, log and plan."""
 
 
 ExperimentSpec = Annotated[Union[DflashExperiment, CommandExperiment], Field(discriminator="kind")]

@@ -151,6 +151,9 @@ class LaunchRequest(Request):
     """kind command: the argv."""
     env: dict | None = None
     """kind command: extra environment variables."""
+    secret_env: list[str] = field(default_factory=list)
+    """The keys of `env` whose values are secret: kept out of run.json, launch.env0 and the plan
+    (orchestrator.agent.runcommand.SECRET_FILE)."""
     gpus: list[int] = field(default_factory=list)
     """Every GPU the run occupies (checked idle, claimed; CUDA_VISIBLE_DEVICES for kind command)."""
     layout: dict | None = None

@@ -18,6 +18,11 @@ DATA_VENVS = "data-venvs"
 """Under the workdir: one directory per data-stage venv profile (`<workdir>/data-venvs/<profile>/venvs/current`),
 beside the trainer's `<workdir>/venvs/current`: vLLM pins its own torch, so the two never share one `current`."""
 ENV_FILE = "launch.env0"
+SECRET_FILE = "launch.secret0"
+"""The secret variables (LaunchRequest.secret_env), NUL-separated KEY=VALUE, mode 0600, apart from ENV_FILE:
+start_training.sh reads it and deletes it before the command starts, so no secret stays on the run's disk.
+(Not tmux's `-e`/set-environment: those put the value on the tmux client's argv, which `ps` shows to every
+user of the container, and keep it in the session's environment for every later pane.)"""
 # Variables of the agent's own environment that must not leak into a run.
 DROP_ENV = ("TMUX", "TMUX_PANE")
 

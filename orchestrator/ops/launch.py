@@ -142,7 +142,8 @@ def launch_request(spec: LaunchSpec, *, created: str, run_id: str, cli: str | No
     """The launch verb's request to the agent (orchestrator.agent.requests.LaunchRequest, as JSON)."""
     return LaunchRequest(
         experiment=spec.experiment, run_id=run_id, tag=spec.tag, target=spec.target, kind=spec.kind,
-        command=spec.command, env=spec.env, gpus=list(spec.gpus or []), layout=spec.layout, config=spec.config,
+        command=spec.command, env=spec.env, secret_env=list(spec.secret_env), gpus=list(spec.gpus or []),
+        layout=spec.layout, config=spec.config,
         gpu_idle_mib=spec.gpu_idle_mib, venv_profile=spec.venv_profile, lock_hash=spec.lock_hash,
         bundle_hash=build_bundle().hash, cli=cli, created=created, replace=replace, grace_s=grace_s,
         release_timeout_s=release_timeout_s, dry_run=dry_run, resume=resume, warmup_device=warmup_device,
@@ -161,7 +162,8 @@ def _record(spec: LaunchSpec, ans: LaunchAnswer, result: LaunchResult, created: 
         "target": spec.target,
         "kind": spec.kind,
         # What actually ran: a resumed run uses the old run's config, and its layout's GPUs.
-        "config": ans.config if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
+        "config": ans.config if spec.kind == "dflash" else {"command": spec.command, "env": {
+            k: "<secret>" if k in spec.secret_env else v for k, v in spec.env.items()}},
         "gpus": ans.gpus,
         "gpus_seen": ans.gpus_seen,
         "env_fingerprint": ans.env_fingerprint,

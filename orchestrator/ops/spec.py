@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from orchestrator import names
 from orchestrator.errors import UserError
-from orchestrator.inventory import check_name, trainer_layout
+from orchestrator.inventory import check_name, resolve_env, trainer_layout
 from orchestrator.ops.lockfile import resolve_lock
 
 
@@ -29,6 +29,8 @@ class LaunchSpec:
     """kind command: the argv."""
     env: dict[str, str] = field(default_factory=dict)
     """kind command: extra environment."""
+    secret_env: list[str] = field(default_factory=list)
+    """kind command: the keys of `env` whose values are secret (never recorded)."""
     gpus: list[int] = field(default_factory=list)
     """Every GPU the run occupies (checked idle; CUDA_VISIBLE_DEVICES for kind command)."""
     layout: dict | None = None
@@ -100,7 +102,7 @@ def spec_from_inventory(inv, experiment: str, target: str | None = None, tag: st
             spec.data_lock_hash = expected_lock_hash(dspec)
     else:
         spec.command = list(exp.command)
-        spec.env = dict(exp.env)
+        spec.env, spec.secret_env = resolve_env(exp.env, f"experiments.{experiment}")
         spec.gpus = list(exp.gpus)
     spec.validate()
     return spec

@@ -31,7 +31,7 @@ from orchestrator.agent import warmup as warmups
 from orchestrator.agent.preflight import LaunchPlan
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import LaunchAnswer, LaunchRequest
-from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, run_environment
+from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, SECRET_FILE, run_environment
 from orchestrator.quoting import render, render_line
 
 
@@ -156,8 +156,12 @@ def _start_run(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | 
         runs.write_json(run_dir / "config.json", plan.config)
     env = run_environment(dict(os.environ), plan.extra, req.kind, plan.gpus)
     runs.write_bytes(run_dir / SCRIPT_NAME, assets.read_bytes(SCRIPT_NAME), 0o755)
-    # The environment travels in a file only the owner reads: values never reach a command line.
-    runs.write_bytes(run_dir / ENV_FILE, _env_blob(env), 0o600)
+    # The environment travels in a file only the owner reads: values never reach a command line. Secrets go
+    # to a file of their own that start_training.sh deletes once read (runcommand.SECRET_FILE).
+    secret = set(req.secret_env or ()) & set(req.env or {})
+    runs.write_bytes(run_dir / ENV_FILE, _env_blob({k: v for k, v in env.items() if k not in secret}), 0o600)
+    if secret:
+        runs.write_bytes(run_dir / SECRET_FILE, _env_blob({k: env[k] for k in sorted(secret)}), 0o600)
     mark = ownlines.new_mark()
     runs.write_json(run_dir / "run.json", _run_info(plan, req, src, fingerprint, seen, mark))
     _start_log(run_dir, mark, plan.argv)
