@@ -196,7 +196,8 @@ export UV_CACHE_DIR="$cache"
 export UV_NATIVE_TLS="${UV_NATIVE_TLS:-1}"
 # uv's managed Pythons (when the target's own does not match) stay in the workdir.
 export UV_PYTHON_INSTALL_DIR="$workdir/python"
-[ "$offline" = 1 ] && export UV_OFFLINE=1
+# OFFLINE=1 (--offline) or 2 (the wheelhouse holds the whole lock: no index needed; apt-get may still update).
+[ "$offline" != 0 ] && export UV_OFFLINE=1
 
 # --- wheels the workstation brings: beside the uv cache, at a stable path --------------------------------
 step=wheels

@@ -208,16 +208,19 @@ def payload(lock: LockFile, wheel: Wheel, wheels: list[CarriedWheel] = (), *, se
 def script_argv(mode: str, workdir: str, *, lock_hash: str = "-", bundle_hash: str = "-", python: str = "-",
                 keep: int = 3, force: bool = False, offline: bool = False, cache: str | None = None,
                 wheel: str = "-", wheel_sha: str = "-", uv_bin: str = "-", uv_version: str = "-", uv_sha: str = "-",
-                tmux: bool = False, sync_opts: list[str] | None = None) -> list[str]:
+                tmux: bool = False, sync_opts: list[str] | None = None, wheels_only: bool = False) -> list[str]:
     """The ONE command: `bash -c SCRIPT rebuild-venv MODE WORKDIR ...` (pure; argument order is the script's).
 
     Args:
+        offline: --offline: uv uses no index, no Python download, no apt-get update.
+        wheels_only: the wheelhouse holds every wheel of the lock: uv asks no index (as offline), but apt-get
+            may still update its lists for tmux (a container that reaches only a Debian mirror).
         uv_bin: a uv path the target can run as is (a local target: the workstation's own); `-` for a
             container, which uses <workdir>/bin/uv (sha256 `uv_sha`) or a uv of exactly `uv_version`.
         tmux: install tmux with apt-get when it is missing (containers).
     """
     return ["bash", "-c", script_text(), "rebuild-venv", mode, workdir, lock_hash, bundle_hash, python, str(keep),
-            "1" if force else "0", "1" if offline else "0", cache or "", wheel, wheel_sha, uv_bin, uv_version, uv_sha,
+            "1" if force else "0", "1" if offline else "2" if wheels_only else "0", cache or "", wheel, wheel_sha, uv_bin, uv_version, uv_sha,
             "1" if tmux else "0", *(sync_opts or [])]
 
 
@@ -277,7 +280,9 @@ _CLASSES = [
     ("HashMismatch", r"[Hh]ash mismatch|hashes? (do|does) not match",
      "a downloaded file's hash differs from the lock", "check the profile's index_url/find_links serve the locked files"),
     ("DownloadFailed", r"Failed to (download|fetch)|dns error|Could not connect|connection (refused|reset)|timed out",
-     "uv could not download a package", "check the target's network, or point the profile's index_url/find_links at a mirror"),
+     "uv could not download a package", "check the target's network, or put every wheel of the lock in the venv "
+     "profile's wheelhouse (pip download --no-deps --only-binary=:all: -r LOCK -d DIR): rebuild-venv then asks no "
+     "index; or point the profile's index_url/find_links at a mirror the target reaches"),
 ]
 
 
@@ -431,7 +436,14 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
         plan.send(uv=bool(need.get("uv")), wheels=set(need.get("wheels") or ()))
         events, res = _run_script(target, plan.argv(), plan.stdin(), on_event, timeout)
         commands = 2
-    report = _finish(target, plan.lock, (events, res), start, commands, plan.sent_names(), plan.sent_bytes(), p.lock)
+    try:
+        report = _finish(target, plan.lock, (events, res), start, commands, plan.sent_names(), plan.sent_bytes(),
+                         p.lock)
+    except AgentError:
+        # Past the wheels step the target keeps every wheel sent (dflashctl-wheels/): the next try sends none.
+        if (events.final or {}).get("step") not in (None, "workdir", "tmux", "stage", "wheels"):
+            plan.remember()
+        raise
     plan.remember()
     return report
 
@@ -455,6 +467,8 @@ class _BuildPlan:
         held = carry.known(self.key) if self.key else {"uv": None, "wheels": {}}
         self.send_uv = self.key is not None and held["uv"] != self.uv.sha256
         self.send_wheels = [w for w in self.wheels if held["wheels"].get(w.file) != w.sha256]
+        # Every pin of the lock has its wheel here: uv asks no index, with no flag to guess.
+        self.whole_lock = bool(self.wheels) and set(lock.pins()) <= {carry.wheel_pin(w.file)[0] for w in self.wheels}
 
     def send(self, uv: bool, wheels: set[str]) -> None:
         self.send_uv = self.send_uv or uv
@@ -470,7 +484,8 @@ class _BuildPlan:
                            python=p.python, keep=p.keep, force=self.force, offline=self.offline, cache=p.uv_cache_dir,
                            wheel=self.wheel.name, wheel_sha=self.wheel.sha256,
                            uv_bin="-" if self.key else self.uv.path, uv_version=self.uv.version,
-                           uv_sha=self.uv.sha256, tmux=self.key is not None, sync_opts=opts)
+                           uv_sha=self.uv.sha256, tmux=self.key is not None, sync_opts=opts,
+                           wheels_only=self.whole_lock)
 
     def stdin(self) -> bytes:
         return payload(self.lock, self.wheel, self.wheels, send_wheels=self.send_wheels,

@@ -689,3 +689,54 @@ def test_a_uv_that_cannot_run_on_the_target_is_named_with_the_way_out(tmp_path, 
     assert exc.value.agent_type == "UvUnusable" and "step `uv`" in exc.value.message
     assert "does not run on this Linux" in exc.value.message and "install uv 0.13.9 in the target" in exc.value.fix
     assert venvs_state(tmp_path / "w") == (None, [])
+
+
+def wheelhouse_of_the_test_lock(fake_pve) -> str:
+    """Every wheel of the `test` lock for the containers' Python (3.11, x86_64), downloaded once per machine into
+    the fake host's storage (pip download, hash-checked by the lock)."""
+    out = fake_pve.storage() / "test-lock-wheelhouse"
+    done = out / ".complete"
+    if not done.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+                        "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+                        "--platform", "manylinux2014_x86_64", "-r", str(Path(__file__).resolve().parents[3] / "templates" / "locks" / "test.txt"),
+                        "-d", str(out)], check=True, timeout=600)
+        done.touch()
+    return str(out)
+
+
+@pytest.mark.slow
+def test_a_wheelhouse_holding_the_whole_lock_needs_no_index_and_a_failed_build_resends_nothing(fake_pve, tmp_path,
+                                                                                            monkeypatch):
+    """No index reachable (the fake host's containers share this machine's network, so "no network" is an
+    index URL nobody listens on) and every wheel of the lock in the wheelhouse: rebuild-venv, with no flag,
+    syncs from the carried wheels alone (the `test` lock then fails at the import check, which wants torch:
+    proof that the sync itself passed), and after that failed build this workstation knows the container
+    holds the wheels, so the next try sends none of them."""
+    from fakehost import STOCK_TMUX
+
+    from orchestrator.ops.carry import known
+
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+    ct = fake_pve.create_container(335, gpus=0, image=STOCK_TMUX)
+    target = stock_target(fake_pve, ct)
+    wheelhouse = wheelhouse_of_the_test_lock(fake_pve)
+    profile = stock_profile(fake_pve, lock="test", wheelhouse=[wheelhouse], index_url="http://127.0.0.1:9/simple",
+                            uv_cache_dir=f"{ct.workdir}/uv-cache")
+    try:
+        with pytest.raises(AgentError) as exc:
+            rebuild_venv(target, profile)
+        assert exc.value.agent_type == "LockMissesModule", exc.value.message
+        wheels = sorted(p.name for p in Path(wheelhouse).glob("*.whl"))
+        assert len(wheels) == 7
+        assert sorted(known(target.bundle_cache_key())["wheels"]) == wheels
+        events: list[dict] = []
+        fake_pve.clear_pct_calls()
+        with pytest.raises(AgentError):
+            rebuild_venv(target, profile, on_event=events.append)
+        assert len(fake_pve.pct_exec_calls(335)) == 1  # no NeedFiles round trip: nothing was missing
+    finally:
+        target.close()
+        fake_pve.remove_container(ct.ctid)
