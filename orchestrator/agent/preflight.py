@@ -350,8 +350,8 @@ def plan(req: LaunchRequest, emit) -> LaunchPlan:
     """
     session = tmuxctl.session_name(runs.check_name("experiment", req.experiment))
     old = check_session(session, req.experiment, req.replace)
+    src = resume_source(req, emit)  # first: a resume of a run with a live process is refused as a resume
     check_run_processes(req.workdir, req.experiment, old.get("run_id") if old is not None and req.replace else None)
-    src = resume_source(req, emit)
     gpus = run_gpus(req, src, emit)
     run_id = runs.free_run_id(req.workdir, runs.check_run_id(req.run_id))
     run_dir = runs.runs_root(req.workdir) / run_id

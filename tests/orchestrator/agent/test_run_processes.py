@@ -1,6 +1,6 @@
 """Every process of a run is the run's (orchestrator.agent.runprocs, by its environment marker): a launch of the
-experiment is refused while a process of an earlier run lives, naming it, even after that run's exit.json; a
-stop of that run ends it; then the launch goes ahead. Real launches on the local target, real tmux."""
+experiment, and a resume of that run, are refused while a process of it lives, naming it, even after its
+exit.json; a stop of that run ends it; then the launch goes ahead. Real launches on the local target, real tmux."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def test_a_launch_is_refused_while_a_process_of_an_earlier_run_lives(local_targe
     text = str(info.value)
     assert f"cannot launch orphan: run {first.run_id} still has 1 live process(es): pid {pid} (" in text, text
     assert "left-behind" in text and f"dflashctl stop {first.run_id}" in text
+
+    with pytest.raises(Exception) as info:  # nor may the run be resumed: two writers in one run
+        launch(local_target, spec(["true"]), resume=first.run_id)
+    text = str(info.value)
+    assert f"cannot resume run {first.run_id}: run {first.run_id} still has 1 live process(es): pid {pid} (" in text
+    assert "left-behind" in text
 
     out = stop(local_target, first.run_id, grace_s=2)
     assert out.signals == ["SIGINT"] and runprocs.run_processes(run_dir) == []
