@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from orchestrator import names
-from orchestrator.agent import runs
+from orchestrator.agent import runprocs, runs
 from orchestrator.agent.protocol import AgentFailure
 
 CLAIMS_NAME = "gpus.json"
@@ -108,7 +108,8 @@ def describe(index: int, claim: dict) -> str:
     since = f"since {claim.get('since')} (pid {claim.get('pid')})"
     if claim.get("run_id") is None:
         return f"GPU {index} is held by the warm-up of experiment {claim.get('experiment')}, {since}"
-    what = f"launching {since}" if claim.get("phase") == "launch" else "running"
+    what = f"launching {since}" if claim.get("phase") == "launch" else (
+        f"ended, but its {claim['survivors']} still run" if claim.get("survivors") else "running")
     return f"GPU {index} is held by run {claim.get('run_id')} (experiment {claim.get('experiment')}), {what}"
 
 
@@ -126,8 +127,20 @@ def _conflicts(workdir, claims: dict[str, dict], gpus: list[int], mine: str) -> 
         if not alive[who]:
             del claims[key]
         elif key.isdigit() and int(key) in gpus:
-            found[int(key)] = c
+            found[int(key)] = _with_survivors(workdir, c)
     return found
+
+
+def _with_survivors(workdir, claim: dict) -> dict:
+    """A run claim whose run has ended (exit.json) but whose processes live on, with them named (`survivors`)."""
+    rid = claim.get("run_id")
+    if claim.get("phase") != "run" or not isinstance(rid, str) or not names.is_valid(rid, names.RUN_ID_MAX):
+        return claim
+    ref = runs.load_ref(runs.runs_root(workdir) / rid)
+    if runs.read_exit(ref) is None:
+        return claim
+    left = runs.live_processes(ref)
+    return {**claim, "survivors": runprocs.describe_all(left)} if left else claim
 
 
 def refusal(conflicts: dict[int, dict], waited: float = 0.0) -> AgentFailure:

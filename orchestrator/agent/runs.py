@@ -6,8 +6,8 @@
                                         names the holder
     <workdir>/locks/gpus.json           the GPU claims (orchestrator.agent.claims)
 
-States: running (no exit.json, and its session lives with a live pane or its command's process group from
-`pid` still exists), stopped (ended after `dflashctl stop` or `launch --replace` asked it to: exit.json's
+States: running (no exit.json, and its session lives with a live pane, a process carrying its environment
+marker lives (orchestrator.agent.runprocs), or its command's process group from `pid` still exists), stopped (ended after `dflashctl stop` or `launch --replace` asked it to: exit.json's
 "stopped", copied from the run's stop.json, says by whom and when; whatever its exit code), succeeded (exit
 0), failed (exit != 0), crashed (no exit.json, its session gone or its pane dead, and no process of its
 command left: killed, container stopped).

@@ -307,7 +307,8 @@ def test_a_run_with_a_live_process_keeps_its_gpus_after_exit_json(tmp_path):
     try:
         with pytest.raises(AgentFailure) as info:
             claims.claim(tmp_path, [0], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
-        assert info.value.message == "GPU 0 is held by run a-1 (experiment a), running"
+        assert info.value.message == (f"GPU 0 is held by run a-1 (experiment a), ended, but its pid {rank.pid} "
+                                      f"({sys.executable} -c import time; time.sleep(60)) still run")
     finally:
         rank.kill()
         rank.wait()
