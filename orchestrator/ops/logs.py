@@ -18,11 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator import monitor
 from orchestrator.agent.events import Data, Event, Heartbeat, Metrics, RunInfo, Truncated
-from orchestrator.agent.requests import TailAnswer
-from orchestrator.errors import AgentError, ConnectError, RemoteCommandError, RunNotFound, UserError
+from orchestrator.agent.requests import TailAnswer, TailRequest
+from orchestrator.errors import AgentError, ConnectError, HostKeyError, RemoteCommandError, RunNotFound, UserError
+from orchestrator.notify import EVENT_KINDS, make_event, notify
 from orchestrator.ops import placement
 from orchestrator.records import printed_offset, save_printed_offset
+from orchestrator.signatures import Matcher, load_catalogue, match_exit
 
 # Outcome -> process exit code (README, `dflashctl logs --help`).
 EXIT_SUCCEEDED = 0
@@ -278,8 +281,6 @@ class _Follower:
 
 def _transient(exc: BaseException) -> bool:
     """Whether a failed tail exec is worth a reconnect (a dead connection) rather than an error to show."""
-    from orchestrator.errors import HostKeyError
-
     if isinstance(exc, HostKeyError):
         return False  # a changed or unknown host key never fixes itself
     if isinstance(exc, AgentError):
@@ -370,8 +371,6 @@ def follow(
 
 def _tail_request(st: _Follower, *, follow: bool, tail: int | None, heartbeat: float, baseline: bool) -> dict[str, Any]:
     """The tail request of the next exec: from the byte after the last one delivered (the whole state in `st`)."""
-    from orchestrator.agent.requests import TailRequest
-
     start = {"offset": 0, "tail": tail} if st.log_offset is None else {"offset": st.log_offset}
     return TailRequest(run_id=st.run_id, experiment=None if st.run_id else st.experiment, follow=follow,
                        metrics=follow, metrics_offset=st.metrics_offset, heartbeat=heartbeat,
@@ -470,8 +469,6 @@ class LogHealth:
     """
 
     def __init__(self, cfg, clock: Callable[[], float] = time.monotonic):
-        from orchestrator import monitor
-
         self.clock = clock
         self.monitors = monitor.build_monitors(cfg)
         self.hang = monitor.HangDetector(float(getattr(cfg, "hang_seconds", 600)))
@@ -500,8 +497,6 @@ class LogHealth:
 
 def build_matcher(inv):
     """The signature matcher over the shipped catalogue plus the inventory's `signatures:`."""
-    from orchestrator.signatures import Matcher, load_catalogue
-
     return Matcher(load_catalogue(inv.signatures or None))
 
 
@@ -519,8 +514,6 @@ def _exit_match(matcher, outcome: FollowOutcome) -> None:
     """A run killed by a signal prints no traceback: name it from exit.json (137 -> host OOM kill)."""
     if outcome.state != "failed" or outcome.crash_matches or matcher is None or not outcome.exit:
         return
-    from orchestrator.signatures import match_exit
-
     m = match_exit(matcher.catalogue, outcome.exit.get("exit_code"), outcome.exit.get("signal"))
     if m is not None:
         outcome.matches.append(m)
@@ -531,8 +524,6 @@ def _notify(inv, kind: str, run_id: str | None, experiment: str | None, message:
     cfg = inv.notify
     if not (cfg.webhook or cfg.command) or not run_id:
         return
-    from orchestrator.notify import EVENT_KINDS, make_event, notify
-
     if kind in EVENT_KINDS:
         event = make_event(kind, run_id, experiment=experiment, message=message, diagnosis=diagnosis, **extra)
         for failed in (o for o in notify(cfg, event) if not o.ok):  # one warning per failed channel, on stderr

@@ -24,6 +24,7 @@ from orchestrator import names
 from orchestrator.errors import RunNotFound
 from orchestrator.inventory import check_name, check_run_ref
 from orchestrator.records import RunRecord, find_run
+from orchestrator.target import open_target
 
 T = TypeVar("T")
 
@@ -125,8 +126,6 @@ def each(fn: Callable[[int], T], count: int) -> list[tuple[T | None, BaseExcepti
 def opened(inv, names_: list[str], early=None) -> Iterator[list]:
     """The targets named, opened in order (the first one may take `early`, an
     orchestrator.preconnect.EarlyConnection), all closed on the way out."""
-    from orchestrator.target import open_target
-
     targets: list = []
     try:
         for i, name in enumerate(names_):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from orchestrator.inventory import check_name
 from orchestrator.records import RunDiff, diff_records, find_record, load_records
 
 
 def list_runs(experiment: str | None = None, limit: int = 0) -> list[dict]:
     """Recorded launches, oldest first (optionally of one experiment; limit > 0 keeps the newest)."""
     if experiment is not None:
-        from orchestrator.inventory import check_name
-
         check_name("experiment", experiment)
     records = load_records(experiment)
     return records[-limit:] if limit > 0 else records

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from orchestrator.agent.requests import StatusAnswer, StatusRequest
 from orchestrator.errors import ContainerMissing, ContainerStopped
+from orchestrator.target import ContainerTarget, open_target
 
 
 @dataclass
@@ -45,8 +46,6 @@ def status(target, *, limit: int = 20, timeout: float | None = 120) -> TargetSta
     Raises:
         ConnectError / AgentError: the host cannot be reached, or the agent failed.
     """
-    from orchestrator.target import ContainerTarget
-
     kind = "running" if isinstance(target, ContainerTarget) else "local"
     try:
         ans = target.agent("status", StatusRequest(limit=limit).to_json(), timeout=timeout, answer=StatusAnswer)
@@ -70,8 +69,6 @@ def status(target, *, limit: int = 20, timeout: float | None = 120) -> TargetSta
 def status_of(inv, target: str, *, limit: int = 20, early=None) -> TargetStatus:
     """`dflashctl status`: open `target` of `inv` (`early`: an orchestrator.preconnect.EarlyConnection), ask it
     (status), close it."""
-    from orchestrator.target import open_target
-
     tgt = open_target(inv, target, early)
     try:
         return status(tgt, limit=limit)
