@@ -62,7 +62,21 @@ class _CliServer:
         return _CliResult(subprocess.run(["tmux", *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=30))
 
 
+def tmux_missing() -> AgentFailure:
+    """The one error of a target without tmux; the workstation replaces the fix with the line that installs it
+    there, wrapped in ssh and pct (orchestrator.ops.refusal)."""
+    import os
+
+    return AgentFailure("TmuxMissing", "tmux is not installed in the target (no tmux on PATH "
+                        f"{os.environ.get('PATH', '')}); every run lives in a tmux session",
+                        fix="dflashctl rebuild-venv  (installs tmux)")
+
+
 def _server():
+    import shutil
+
+    if shutil.which("tmux") is None:
+        raise tmux_missing()
     if libtmux is None:
         return _CliServer()
     try:
@@ -74,6 +88,8 @@ def _server():
 def _cmd(server, *args: str):
     try:
         return server.cmd(*args)
+    except FileNotFoundError:
+        raise tmux_missing() from None
     except Exception as exc:  # noqa: BLE001 - e.g. tmux binary missing
         raise AgentFailure("TmuxMissing", f"tmux {args[0]} failed: {exc}", fix="apt-get install -y tmux") from None
 

@@ -4,6 +4,7 @@ refuse the same preflight failures the same way."""
 from __future__ import annotations
 
 from orchestrator.errors import AgentError, PreflightError
+from orchestrator.ops.venv import tmux_fix
 
 
 def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: str, *, on_event=None,
@@ -14,6 +15,9 @@ def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: 
     try:
         return target.agent(verb, request, on_event=on_event, timeout=timeout, answer=answer)
     except AgentError as exc:
+        if exc.agent_type == "TmuxMissing":  # the agent cannot know how the user reaches its container
+            exc.message += f" (dflashctl rebuild-venv --target {target.name} installs it too)"
+            exc.fix = tmux_fix(target)
         if exc.agent_type in refusals:
             err = PreflightError(f"{what} refused: {exc.message}", fix=exc.fix)
             err.agent_type, err.data = exc.agent_type, exc.data  # type: ignore[attr-defined]
