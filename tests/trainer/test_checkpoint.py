@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -213,3 +215,36 @@ def test_a_same_step_resave_killed_in_the_middle_keeps_the_step(tmp_path, capsys
     assert "recovered" in capsys.readouterr().err
     m.save(8, _state(8))
     assert sorted(p.name for p in root.iterdir()) == ["step_00000008"]
+
+
+def test_what_a_save_leaves_and_the_warnings_resume_prints(tmp_path, capsys):
+    """meta.json holds the step, the size and the hash; a leftover temp folder of this process is replaced; a
+    same-step re-save leaves no .old- folder; a checkpoints folder deleted under a manager means no checkpoint;
+    each skipped checkpoint's warning says exactly why."""
+    root = tmp_path / "ck"
+    m = CheckpointManager(root, keep=5)
+    leftover = root / f".tmp-step_00000003-{os.getpid()}"
+    leftover.mkdir()
+    (leftover / "junk").write_text("a save of this process that died half-way")
+    m.save(3, _state(3))
+    meta = json.loads((root / "step_00000003" / "meta.json").read_text())
+    f = root / "step_00000003" / "state.pt"
+    assert meta == {"step": 3, "files": {"state.pt": {"size": f.stat().st_size, "sha256": _sha256(f)}}}
+    m.save(3, _state(3))
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
+    m.save(4, _state(4))
+    (root / "step_00000004" / "meta.json").unlink()
+    f.write_bytes(f.read_bytes()[:100])
+    assert m.load_latest() is None
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"[checkpoint] warning: skipping {root / 'step_00000004'}: no meta.json (incomplete write)",
+                   f"[checkpoint] warning: skipping {root / 'step_00000003'}: state.pt has 100 bytes, meta.json says "
+                   f"{meta['files']['state.pt']['size']} (truncated?)"]
+    d = root / "step_00000005"
+    d.mkdir()
+    (d / "state.pt").write_bytes(b"not a pickle")
+    (d / "meta.json").write_text(json.dumps({"step": 5, "files": {"state.pt": {"size": 12, "sha256": _sha256(d / "state.pt")}}}))
+    assert m.load_latest() is None
+    assert "state.pt does not load (UnpicklingError: " in capsys.readouterr().err
+    shutil.rmtree(root)
+    assert m.load_latest() is None and m.list_complete() == []
