@@ -35,6 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from orchestrator.agent import driver
+from orchestrator.agent.runcommand import data_venv_workdir
 from orchestrator.agent.venvinfo import BUNDLE_DIST, FINGERPRINT, STAMP
 from orchestrator import assets
 from orchestrator.errors import AgentError, UserError
@@ -421,8 +422,6 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
         return VenvReport(profile_kind(profile), target.name, wall_s=time.monotonic() - start)
     workdir = target.workdir
     if data_venv is not None:
-        from orchestrator.agent.runcommand import data_venv_workdir
-
         workdir = data_venv_workdir(target.workdir, data_venv)
         p = dataclasses.replace(p, uv_cache_dir=p.uv_cache_dir or f"{target.workdir}/uv-cache")
     if rollback:
