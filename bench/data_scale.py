@@ -65,7 +65,8 @@ def rank_child(kind: str, path: str, ready_at: float, steps_wanted: int, rank: i
     t3 = time.time()
     anon, file = (a - b for a, b in zip(_rss(), base))
     print(json.dumps({"open_s": t1 - t0, "plan_s": t2 - t1, "steps_s": t3 - t2, "steps": min(steps_wanted, len(plan)),
-                      "first_step_after_ready_s": first - ready_at, "anon": anon, "file": file}))
+                      "first_step_after_ready_s": first - ready_at, "first_step_after_open_s": first - t0,
+                      "anon": anon, "file": file}))
 
 
 def write_conversations(path: Path, n: int, words_per_turn: tuple[int, int], seed: int = 0) -> None:
@@ -97,9 +98,11 @@ def summarize(name: str, tokens: int, wall: float, res: list[dict]) -> dict:
     anon = [r["anon"] / tokens for r in res]
     file = [r["file"] / tokens for r in res]
     first = max(r["first_step_after_ready_s"] for r in res)
+    own = max(r["first_step_after_open_s"] for r in res)
     print(f"{name}: {tokens:,} tokens; {len(res)} ranks in {wall:.1f} s wall; per rank: open/load "
           f"{max(r['open_s'] for r in res):.2f} s, plan_epoch {max(r['plan_s'] for r in res):.2f} s, "
-          f"{res[0]['steps']} steps {max(r['steps_s'] for r in res):.2f} s; first step {first:.1f} s after the data existed")
+          f"{res[0]['steps']} steps {max(r['steps_s'] for r in res):.2f} s; first step {first:.1f} s after the data existed "
+          f"({own:.2f} s after the rank began opening it; the rest is 8 interpreters importing torch)")
     print(f"  RSS growth per token, per rank: private {min(anon):.3f}..{max(anon):.3f} B, "
           f"mapped file pages {min(file):.3f}..{max(file):.3f} B")
     return {"anon": max(anon), "file": max(file), "first": first, "open": max(r["open_s"] for r in res)}

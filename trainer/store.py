@@ -365,6 +365,14 @@ class Chunk:
     first_line: int
 
 
+def _count_lines(path: str | Path) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        while block := f.read(_IO_BLOCK):
+            n += block.count(b"\n")
+    return n
+
+
 def split_files(files: Sequence[str | Path], lines_per_chunk: int = LINES_PER_CHUNK) -> list[Chunk]:
     """Cut the input files into chunks of `lines_per_chunk` lines (one pass over each file's bytes)."""
     chunks: list[Chunk] = []
@@ -469,7 +477,7 @@ def build_store(
     min_supervised: int = 2,
     chat_template_kwargs: dict[str, Any] | None = None,
     workers: int | None = None,
-    lines_per_chunk: int = LINES_PER_CHUNK,
+    lines_per_chunk: int | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[TokenStore, bool]:
     """Open the store of these inputs under `root`, building it first if no run built it yet.
@@ -479,6 +487,8 @@ def build_store(
         tokenizer: the tokenizer (a fast one, with its chat template).
         root: the datasets root (`datasets_root`).
         workers: tokenising processes (default: `default_workers()`; one chunk or one worker: in this process).
+        lines_per_chunk: lines per worker task (default: LINES_PER_CHUNK, fewer for a file that would not
+            give every worker four chunks, at least 256).
 
     Returns:
         (the opened store, whether this call built it).
@@ -501,8 +511,12 @@ def build_store(
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         parts = tmp / "chunks"
         parts.mkdir(parents=True)
+        nw = workers or default_workers()
+        if lines_per_chunk is None:
+            lines = sum(_count_lines(f) for f in files)
+            lines_per_chunk = max(256, min(LINES_PER_CHUNK, -(-lines // (4 * nw))))
         chunks = split_files(files, lines_per_chunk)
-        nw = min(workers or default_workers(), len(chunks))
+        nw = min(nw, len(chunks))
         log(f"data: tokenising {len(files)} file(s) in {len(chunks)} chunk(s) with {nw} process(es) into {final}")
         results = _run_chunks(chunks, parts, tokenizer, max_len, min_supervised, kw, nw, log)
         report = SkipReport()
