@@ -9,6 +9,8 @@ Pipeline (each stage a plain function, tested on its own):
    the target's own greedy output (docs/dflash.md §2.1: the drafter must learn what THIS target says).
 3. `tokenize(conversations, tokenizer, max_len)`: the tokenizer's chat template; loss mask = 1 on the tokens
    of assistant turns (their content and end-of-turn marker), 0 on system/user text and template glue.
+   A run's samples are tokenised into a token store (trainer.store: flat memory-mapped arrays, built once
+   per content key by worker processes) that every rank maps; a store indexes to the same `Sample`s.
 4. `plan_epoch(lengths, ...)`: shuffled per epoch from the seed, first-fit into `rows_per_step` rows of
    `row_len` tokens; never more than `token_budget` tokens per step.
 5. `build_step(samples, rows, row_len)`: the packed tensors (input_ids, loss_mask, doc_ids with -1 on pad,
