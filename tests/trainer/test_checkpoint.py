@@ -230,6 +230,8 @@ def test_what_a_save_leaves_and_the_warnings_resume_prints(tmp_path, capsys):
     meta = json.loads((root / "step_00000003" / "meta.json").read_text())
     f = root / "step_00000003" / "state.pt"
     assert meta == {"step": 3, "files": {"state.pt": {"size": f.stat().st_size, "sha256": _sha256(f)}}}
+    (root / ".old-step_00000003-999").mkdir()  # a killed process's swap, its step back under its name
+    (root / ".tmp-step_00000009-999").mkdir()  # a killed process's half save
     m.save(3, _state(3))
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
     m.save(4, _state(4))
