@@ -403,12 +403,6 @@ class Inventory(_Strict):
         """The host `name` (raises like `experiment`)."""
         return self._lookup("host", self.hosts, name, "dflashctl trust")
 
-    def venv_for(self, experiment: str) -> tuple[str, WorkstationVenv | SystemVenv | UvVenv]:
-        """(profile name, profile) of an experiment: its own `venv`, else its target's."""
-        exp = self.experiment(experiment)
-        name = exp.venv or self.target(exp.target).venv
-        return name, self.venv(name)
-
     def default_target(self) -> str:
         """The target used when no --target is given: `local` if present, else the only/first one."""
         if "local" in self.targets:

@@ -325,22 +325,6 @@ def decode(
             drafter.train(was_training)
 
 
-def speculative_generate(
-    drafter,
-    target,
-    prompt: list[int],
-    *,
-    max_new_tokens: int = 64,
-    block_size: int | None = None,
-    stop_token_ids: list[int] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Greedy chain speculative decoding of one prompt: (generated ids, acceptance length of each round)."""
-    d = decode(
-        drafter, target, prompt, max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_token_ids
-    )
-    return d.tokens, d.accept_lens
-
-
 # -- a prompt set -----------------------------------------------------------------------------------
 def acceptance_length(
     drafter,

@@ -225,18 +225,16 @@ class DFlashDrafter(nn.Module):
     @property
     def embed_tokens(self) -> nn.Module:
         if self._borrowed.embed is None:
-            raise RuntimeError("drafter has no embedding: build it with DFlashDrafter.from_target or attach_target()")
+            raise RuntimeError("drafter has no embedding: build it with DFlashDrafter.from_target(model_cfg, target, "
+                               "mask_token_id) or DFlashDrafter(cfg, embed_tokens=..., lm_head=...)")
         return self._borrowed.embed
 
     @property
     def lm_head(self) -> nn.Module:
         if self._borrowed.lm_head is None:
-            raise RuntimeError("drafter has no LM head: build it with DFlashDrafter.from_target or attach_target()")
+            raise RuntimeError("drafter has no LM head: build it with DFlashDrafter.from_target(model_cfg, target, "
+                               "mask_token_id) or DFlashDrafter(cfg, embed_tokens=..., lm_head=...)")
         return self._borrowed.lm_head
-
-    def attach_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
-        """Borrow (again) the target's frozen embedding and head, e.g. after loading a checkpoint."""
-        self._borrowed = _Borrowed(embed_tokens, lm_head)
 
     @property
     def block_size(self) -> int:

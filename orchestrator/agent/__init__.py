@@ -2,11 +2,9 @@
 
 Protocol: one JSON object (the request) on stdin; newline-delimited JSON events on stdout:
   {"event": "progress", "step": "...", "message": "...", ...}
-  {"event": "log", "line": "..."}                 (and any other event kinds a verb defines)
+  run, data, metrics, truncated, heartbeat      (the tail verb's stream; orchestrator.agent.events)
   {"event": "result", "data": {...}}              exactly one, last, on success (exit 0)
   {"event": "error", "type": "...", "message": "...", "fix": "..."}   last, on failure (exit 1)
 Standard library only at import time (it runs with the container's bare python3 before a venv exists);
 a verb may import libtmux or torch lazily when it needs them.
 """
-
-PROTOCOL_VERSION = 1

@@ -104,27 +104,8 @@ def write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def create_run_dir(workdir: str | Path, run_id: str) -> tuple[str, Path]:
-    """Create runs/<run_id>/ exclusively; on a clash (same experiment, tag and second) add -2, -3, ...
-
-    Returns:
-        (the run id actually used, its directory).
-    """
-    check_run_id(run_id)
-    root = runs_root(workdir)
-    root.mkdir(parents=True, exist_ok=True)
-    for n in range(1, names.CLASH_MAX + 1):
-        rid = names.clash_variant(run_id, n)
-        try:
-            (root / rid).mkdir()
-            return rid, root / rid
-        except FileExistsError:
-            continue
-    raise _all_taken(root, run_id)
-
-
 def free_run_id(workdir: str | Path, run_id: str) -> str:
-    """The run id create_run_dir would take now (run_id, or its first -2, -3, ... without a directory), read-only:
+    """The run id a launch would take now (run_id, or its first -2, -3, ... without a directory), read-only:
     what a launch plans (orchestrator.agent.preflight), then makes with make_run_dir under its lock."""
     check_run_id(run_id)
     root = runs_root(workdir)

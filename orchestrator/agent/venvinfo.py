@@ -375,19 +375,6 @@ def fingerprint_diff(actual: dict, expected_lock_hash: str | None, profile: dict
     return []
 
 
-def diff_fingerprints(old: dict, new: dict) -> list[str]:
-    """What changed between two fingerprints, one line each (python, torch, CUDA, driver, packages)."""
-    lines = []
-    for key in ("python", "torch", "cuda", "driver", "lock_hash", "bundle_hash"):
-        if old.get(key) != new.get(key):
-            lines.append(f"{key}: {old.get(key)} -> {new.get(key)}")
-    a, b = old.get("packages") or {}, new.get("packages") or {}
-    for name in sorted(set(a) | set(b)):
-        if a.get(name) != b.get(name):
-            lines.append(f"{name}: {a.get(name, '(absent)')} -> {b.get(name, '(absent)')}")
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:

@@ -25,8 +25,6 @@ from orchestrator.transport.local import LocalTransport
 __all__ = ["LockFile", "LockReport", "compile_argv", "compile_lock", "lock_hash", "normalize_name", "parse_pins",
            "resolve_lock", "uv_command"]
 
-# The shipped profiles. A venv profile may also name a lock file by path.
-PROFILES = ("cpu", "cuda", "test", "vllm", "vllm-cuda")
 # Locks are compiled for the container, not for the workstation that compiles them.
 PYTHON_VERSION = "3.11"
 PYTHON_PLATFORM = "x86_64-manylinux_2_28"

@@ -32,7 +32,7 @@ EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
 EXIT_KNOWN_CRASH = 2
 EXIT_LOST = 3
-EXIT_NO_RUN = 4
+# 4, no such run, is errors.RunNotFound.exit_code.
 EXIT_STOPPED = 5  # `dflashctl stop` or `launch --replace` ended the run (neither success nor a failure of its own)
 
 # Severities of signatures that name why a run died (others are warnings: a slowdown, a recompile).
@@ -146,10 +146,6 @@ def _plain(obj: Any) -> Any:
 
 def _match_dict(match: Any) -> dict:
     return _plain(match)
-
-
-class _Stop(Exception):
-    """A consumer callback failed; the follow stops and re-raises it."""
 
 
 class _Follower:

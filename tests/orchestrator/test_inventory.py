@@ -191,8 +191,8 @@ def test_missing_explicit_file_is_named(tmp_path, monkeypatch):
 def test_base_parses_and_resolves(tmp_path):
     inv = load_inventory(write(tmp_path, BASE))
     assert isinstance(inv.experiment("cmd"), CommandExperiment)
-    assert inv.venv_for("cmd")[0] == "cuda"
-    assert inv.venv_for("tiny")[0] == "workstation"
+    assert inv.target(inv.experiment("cmd").target).venv == "cuda" and inv.venv("cuda").kind == "uv"
+    assert inv.target(inv.experiment("tiny").target).venv == "workstation"
     assert inv.experiment("tiny").trainer.max_steps == 5
     assert inv.line_of("experiments", "tiny") == line_of(BASE, "  tiny:")
 

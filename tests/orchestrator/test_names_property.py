@@ -68,7 +68,8 @@ def test_every_run_id_launch_makes_is_accepted_and_found_by_every_consumer(tmux_
     with tempfile.TemporaryDirectory() as d:
         # The agent: the run directory is made under that very name and found by it and by its experiment.
         workdir = Path(d) / "work"
-        used, path = agent_runs.create_run_dir(workdir, rid)
+        used = agent_runs.free_run_id(workdir, rid)
+        path = agent_runs.make_run_dir(workdir, used)
         assert used == rid and path.name == rid
         (path / "run.json").write_text(json.dumps({"run_id": rid, "experiment": experiment,
                                                    "created": "2026-01-01T00:00:00Z"}))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import MASK_ID, small_model_config
-from trainer.evaluate import acceptance_length, greedy_generate, speculative_generate
+from trainer.evaluate import acceptance_length, decode, greedy_generate
 from trainer.model import DFlashDrafter
 from trainer.objective import PackedBatch, dflash_loss
 
@@ -135,7 +135,7 @@ def test_stop_tokens_end_generation(qwen3_target, greedy):
     ref = greedy(qwen3_target, prompt, 20)
     stop = ref[5]
     first = ref.index(stop)
-    out, _ = speculative_generate(_drafter(qwen3_target), qwen3_target, prompt, max_new_tokens=20, stop_token_ids=[stop])
+    out = decode(_drafter(qwen3_target), qwen3_target, prompt, max_new_tokens=20, stop_token_ids=[stop]).tokens
     assert out == ref[: first + 1]
 
 
