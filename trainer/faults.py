@@ -17,7 +17,6 @@ Last words: `reserve_space` takes a small file's worth of the run directory's fi
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data import DataError, SkipReport, read_conversations, read_prompts
+from trainer.data import DataError, SkipReport, read_prompts
 from trainer.regenerate import regenerated_files
 from trainer.store import (
     POINTER, TokenStore, build_store, datasets_root, open_store, read_pointer, wait_for_store, write_pointer,

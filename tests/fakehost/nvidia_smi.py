@@ -163,7 +163,7 @@ def main(args: list[str]) -> int:
         known = {str(g["index"]) for g in gpus}
         for x in ids:
             if x not in known:
-                return fail(f"No devices were found\n", 6)
+                return fail("No devices were found\n", 6)
         gpus = [g for g in gpus if str(g["index"]) in ids]
     if listing:
         for g in gpus:

@@ -103,7 +103,7 @@ def init_pid(base: Path, ctid: int) -> int | None:
 
 def parse_vmid(text: str) -> int:
     if not text.isdigit() or not 100 <= int(text) <= 999999999:
-        raise Die(f"400 Parameter verification failed.\nvmid: invalid format - value does not look like a valid VM ID\n")
+        raise Die("400 Parameter verification failed.\nvmid: invalid format - value does not look like a valid VM ID\n")
     return int(text)
 
 

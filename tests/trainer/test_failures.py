@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from trainer.distributed import PeerLostError, talking_to
+from trainer.distributed import talking_to
 from trainer.failures import Failure, from_process_failure, report, root_cause, summary_lines, write_report
 from trainer.rank import RankErrorHandler
 

@@ -5,12 +5,10 @@ training into a run that has ended, on GPUs that look free."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
-import pytest
 
 from tests.trainer.test_trainer_launch import REPO, SPLIT, env, small_config, write  # noqa: F401
 from orchestrator.agent import runprocs

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import yaml
 
 from orchestrator.inventory import load_inventory

@@ -22,7 +22,7 @@ from orchestrator.agent import claims
 from orchestrator.errors import PreflightError
 from orchestrator.ops.launch import launch, make_run_id
 from orchestrator.ops.status import status
-from test_launch import SLEEPER, cmd_spec, ct_spec, ct_target, make_ct, wait_exit
+from test_launch import SLEEPER, cmd_spec, ct_spec, ct_target, make_ct
 
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st

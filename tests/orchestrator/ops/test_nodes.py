@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.errors import InventoryError, PreflightError, UserError
+from orchestrator.errors import InventoryError, UserError
 from orchestrator.inventory import load_inventory, parse_inventory
 from orchestrator.ops.launch import spec_from_inventory
 from orchestrator.ops.launch import fingerprint_differences, launch_placements, node_specs
