@@ -475,7 +475,7 @@ def vllm_server(tmp_path_factory, target_dir):
             except OSError:
                 return False
 
-        _wait(up, 600, "vLLM's server")
+        _wait(up, 1500, "vLLM's server")  # its first start compiled for > 10 min at a load of 40 on 2 cores
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
