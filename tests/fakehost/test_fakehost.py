@@ -10,6 +10,8 @@ import pytest
 
 from fakehost import pct as pct_impl
 
+pytestmark = pytest.mark.slow  # runs real processes: `-m "not slow"` leaves it out
+
 
 @pytest.fixture(scope="module")
 def ct(fake_pve):

@@ -19,6 +19,8 @@ from pathlib import Path
 from trainer.export import export_drafter
 from trainer.model import DFlashDrafter
 
+pytestmark = pytest.mark.slow  # runs real processes: `-m "not slow"` leaves it out
+
 BS = 4
 REPO = Path(__file__).resolve().parents[2]
 # The checked-in remote code (the export must ship exactly these bytes).

@@ -19,6 +19,8 @@ from orchestrator.agent import runprocs
 from orchestrator.signatures import Matcher, load_catalogue
 from trainer import faults
 
+pytestmark = pytest.mark.slow  # runs real processes: `-m "not slow"` leaves it out
+
 MEMCG = Path("/sys/fs/cgroup/memory")
 LIMIT = 3 << 30
 

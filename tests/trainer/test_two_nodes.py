@@ -21,6 +21,8 @@ import pytest
 from tests.trainer.test_trainer_launch import LOSS_RTOL, REPO, env, reference, small_config, write  # noqa: F401
 from trainer.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # runs real processes: `-m "not slow"` leaves it out
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 
 from orchestrator.inventory import load_inventory
 from orchestrator.ops.doctor import CUDA_CHECK, FAIL, LIB_CHECK, OK, SKIP, WARN, doctor, gpu_devices
+
+pytestmark = pytest.mark.slow  # runs real processes: `-m "not slow"` leaves it out
 
 AGENT_CHECKS = ["python3", "nvidia-smi readable", LIB_CHECK, CUDA_CHECK, "tmux", "uv", "free disk",
                 "workdir writable", "inductor cache dir writable"]

@@ -29,6 +29,8 @@ from orchestrator.ops.logs import EXIT_STOPPED, Backoff, follow
 from orchestrator.target import ContainerTarget, LocalTarget
 from orchestrator.transport.local import LocalTransport
 
+pytestmark = pytest.mark.slow  # runs real processes: `-m "not slow"` leaves it out
+
 # One numbered line every `pause` s, `n` of them, then exit 0 (line i is "line 000i").
 WRITER = textwrap.dedent(
     """

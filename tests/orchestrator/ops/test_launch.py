@@ -32,7 +32,7 @@ HOSTILE_TAGS = ["../x", "a;b", "$(id)", "has space", "a/b", "", "..", "x" * 65, 
 
 
 # Own tmux server and run records per test (conftest.py).
-pytestmark = pytest.mark.usefixtures("isolated_tmux")
+pytestmark = [pytest.mark.usefixtures("isolated_tmux"), pytest.mark.slow]
 
 
 def cmd_spec(experiment: str, argv: list[str], **kw) -> LaunchSpec:
