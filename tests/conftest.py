@@ -67,7 +67,7 @@ def stock_cpu_venv(fake_pve, tmp_path_factory):
 
     old = os.environ.get("DFLASHCTL_STATE_DIR")
     os.environ["DFLASHCTL_STATE_DIR"] = str(tmp_path_factory.mktemp("stock-venv-state"))
-    ct = fake_pve.create_container(399, gpus=0, image=STOCK_TMUX)
+    ct = fake_pve.create_container(399, gpus=0, image=STOCK_TMUX, network=True)  # the lock's other wheels: PyPI
     target = ContainerTarget(name="ct399", workdir=ct.workdir, transport=fake_pve.pct_transport(399))
     try:
         profile = {"kind": "uv", "lock": "cpu", "python": "3.11", "wheelhouse": ["/opt/wheels"],

@@ -11,7 +11,8 @@ directory over /tmp, so paths under the host's /tmp would vanish inside it):
   <base>/lxc/<id>/config   the LXC config `pct start` writes (lxcpath <base>/lxc)
   <base>/ct/<id>/    a container: tmp/, sbin/ (nvidia-smi + .gpus.json), work/ (the target workdir),
                      proc-driver/nvidia/version (the host's kernel module, seen as /proc/driver inside),
-                     lxc.log; a stock one also rootfs.json, overlay/delta and overlay/work (its disk)
+                     lxc.log; a stock one also rootfs.json, overlay/delta and overlay/work (its disk), rootfs/ (the
+                     overlay, mounted while it runs)
   <base>/pct-calls.jsonl, <base>/pct-delay
 
 See tests/fakehost/README.md.
@@ -224,6 +225,7 @@ class FakeContainer:
         """Stop it: everything inside dies with the init (no pct call is logged)."""
         if self.running:
             pct_impl.stop(self.host.base, self.ctid)
+        pct_impl.unmount_rootfs(self.host.base, self.ctid)  # also after a container that died on its own
 
     def _gpu_file(self) -> Path:
         return self.dir / "sbin" / ".gpus.json"

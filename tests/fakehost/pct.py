@@ -182,8 +182,7 @@ def lxc_config(base: Path, ctid: int, conf: dict[str, str]) -> str:
         lines += ["lxc.mount.auto = cgroup:mixed:force"]
     lines += memory_lines(conf)
     if spec is not None:
-        lowers = ":".join(spec["lower"])
-        lines.append(f"lxc.rootfs.path = overlay:{lowers}:{upper_dir(base, ctid)}")
+        lines.append(f"lxc.rootfs.path = dir:{d / 'rootfs'}")  # the overlay mount_rootfs made
     else:
         lines += ["lxc.rootfs.path = dir:/", f"lxc.init.cmd = {base / 'bin' / 'ctinit'}"]
     binds = [(d / "tmp", "tmp"), (d / "sbin", "usr/local/sbin")]
@@ -240,6 +239,34 @@ def pve_managed_files(base: Path, ctid: int, spec: dict, hostname: str) -> None:
         os.replace(tmp, etc / name)
 
 
+def _mounted(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as fh:
+        return any(line.split()[4] == str(path) for line in fh)
+
+
+def mount_rootfs(base: Path, ctid: int, spec: dict) -> None:
+    """Mount a stock container's root file system on the host at `<ct>/rootfs` before lxc-start, as
+    pve-container mounts a container's volumes first: an overlay of the image's layers (read-only, shared by
+    every container) and this container's own layer. Mounted by the host's root, not in the container's user
+    namespace: an overlay mounted there would refuse directory renames (EXDEV; dpkg fails on them)."""
+    root = ct_dir(base, ctid) / "rootfs"
+    root.mkdir(exist_ok=True)
+    if _mounted(root):
+        return
+    work = upper_dir(base, ctid).parent / "work"
+    opts = f"lowerdir={':'.join(spec['lower'])},upperdir={upper_dir(base, ctid)},workdir={work}"
+    proc = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(root)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise Die(f"startup for container '{ctid}' failed: mounting its root file system: {proc.stderr.strip()}")
+
+
+def unmount_rootfs(base: Path, ctid: int) -> None:
+    """Undo mount_rootfs (after the container stopped; nothing when it is not mounted)."""
+    root = ct_dir(base, ctid) / "rootfs"
+    if _mounted(root):
+        subprocess.run(["umount", str(root)], capture_output=True, check=True)
+
+
 def _boot_wait(base: Path, ctid: int, deadline: float) -> str:
     """Wait until the container's systemd has finished booting (`systemctl is-system-running --wait`):
     pct start returns earlier on a real node, but a test that writes /tmp right after the start would race
@@ -268,6 +295,7 @@ def start(base: Path, ctid: int, timeout: float = 60.0) -> int:
     spec = rootfs_spec(base, ctid)
     if spec is not None:
         pve_managed_files(base, ctid, spec, conf.get("hostname", f"ct{ctid}"))
+        mount_rootfs(base, ctid, spec)
     cfg_dir = lxc_path(base) / str(ctid)
     cfg_dir.mkdir(parents=True, exist_ok=True)
     tmp = cfg_dir / "config.tmp"
@@ -297,6 +325,7 @@ def stop(base: Path, ctid: int) -> None:
     proc = subprocess.run(lxc_argv(base, "stop", ctid, "--kill"), capture_output=True, text=True)
     if proc.returncode != 0 and lxc_state(base, ctid) != "STOPPED":
         raise Die(f"stopping CT {ctid} failed: {proc.stderr.strip()}")
+    unmount_rootfs(base, ctid)
 
 
 def exec_env(keep_env: bool) -> dict[str, str]:
