@@ -342,9 +342,8 @@ def attach_argv(base: Path, ctid: int, argv: list[str], keep_env: bool) -> list[
 
 
 def run_in(base: Path, ctid: int, argv: list[str], keep_env: bool) -> int:
-    """Run argv inside the container; return its status (lxc-attach's: 128+signo when killed by a signal)."""
-    if lxc_state(base, ctid) != "RUNNING":
-        raise Die(f"container '{ctid}' not running!")
+    """Run argv inside the (running: cmd_exec checked) container; return its status (lxc-attach's:
+    128+signo when killed by a signal)."""
     proc = subprocess.Popen(attach_argv(base, ctid, argv, keep_env), env=exec_env(keep_env))
     while True:
         try:
