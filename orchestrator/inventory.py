@@ -17,6 +17,7 @@ no shell metacharacters.
 from __future__ import annotations
 
 import difflib
+import gc
 import os
 import re
 import typing
@@ -27,7 +28,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from orchestrator import names
+from orchestrator import names, quoting
 from orchestrator.inventory_file import (  # noqa: F401 - the lookup lives there, light enough for preconnect
     CONTAINER_HOME,
     CONTAINER_WORKDIR,
@@ -246,6 +247,9 @@ class DflashExperiment(_Strict):
     """Target name (key of `targets:`)."""
     venv: str | None = None
     """Venv profile (default: the target's)."""
+    data_venv: str | None = None
+    """Venv profile the data stage (`python -m trainer regenerate`) runs in, e.g. `vllm` for
+    trainer.data.regenerate_engine: vllm (vLLM pins its own torch); default: the training venv."""
     layout: Layout = Layout()
     """GPU layout; empty lists: colocated on the CPU."""
     trainer: TrainConfig = TrainConfig()
@@ -255,6 +259,39 @@ class DflashExperiment(_Strict):
     def gpus(self) -> list[int]:
         """Every GPU the experiment occupies."""
         return self.layout.gpus
+
+
+class SecretEnv(_Strict):
+    """An environment value read from THIS workstation's environment at launch (an API key, a token): it
+    reaches the run through the agent's stdin and never a record, a log, the dry-run plan or a file that stays
+    on disk (orchestrator.agent.runcommand.SECRET_FILE)."""
+
+    secret: Literal[True]
+    """`true`: the value is secret."""
+    from_env: str | None = None
+    """The workstation's variable to read (default: the same name)."""
+
+
+def resolve_env(env: dict, where: str) -> tuple[dict[str, str], list[str]]:
+    """(every value as text, the names of the secret ones) of an experiment's `env`, the secrets read from
+    this process's environment now.
+
+    Raises:
+        UserError: a secret's variable is not set here (names it, `where` and the export that fixes it).
+    """
+    out: dict[str, str] = {}
+    secret: list[str] = []
+    for key, value in env.items():
+        if isinstance(value, SecretEnv):
+            var = value.from_env or key
+            if var not in os.environ:
+                raise UserError(f"{where}.env.{key} is secret (read from this workstation's ${var} at launch), "
+                                f"but ${var} is not set", fix=f"export {var}=... in this shell, then launch again")
+            out[key] = os.environ[var]
+            secret.append(key)
+        else:
+            out[key] = value
+    return out, secret
 
 
 class CommandExperiment(_Strict):
@@ -270,8 +307,9 @@ class CommandExperiment(_Strict):
     """The argv to run (no shell; use ["bash", "-c", "..."] for one)."""
     gpus: list[Annotated[int, Field(ge=0)]] = []
     """GPUs it uses (sets CUDA_VISIBLE_DEVICES; checked idle before launch)."""
-    env: dict[str, str] = {}
-    """Extra environment variables."""
+    env: dict[str, Union[str, SecretEnv]] = {}
+    """Extra environment variables; `NAME: {secret: true}` takes NAME's value from the workstation's
+    environment at launch and keeps it out of every record, log and plan."""
 
 
 ExperimentSpec = Annotated[Union[DflashExperiment, CommandExperiment], Field(discriminator="kind")]
@@ -297,6 +335,10 @@ class Monitor(_Strict):
     """A live session whose log is silent this long is a hang."""
     memory_growth_seconds: float = Field(600, gt=0)
     """Window over which steady memory growth is flagged."""
+    tau_near_one: float = Field(1.25, ge=1)
+    """Flag a real τ at or below this during training while the token accuracy rises (a train/serve mismatch)."""
+    tau_drop_fraction: float = Field(0.2, gt=0, lt=1)
+    """Flag a real τ that falls by more than this fraction of the best earlier evaluation."""
 
 
 class Inventory(_Strict):
@@ -379,24 +421,98 @@ class Inventory(_Strict):
 # ------------------------------------------------------------------------------------ yaml with lines
 
 
-class _LineLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses duplicate keys (a silent override hides typos)."""
+# libyaml's C parser and composer (PyYAML's pure-Python composer took ~200 s on a 10 MB inventory); the
+# nodes it composes keep their marks, so every error still points at its line.
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """libyaml's loader whose implicit-tag resolution (Python, once per scalar) is remembered per distinct
+    scalar: an inventory repeats the same few values (kinds, hosts, GPU numbers) thousands of times."""
+
+    _tags: dict = {}
+
+    def resolve(self, kind, value, implicit):
+        if kind is not yaml.ScalarNode:
+            return super().resolve(kind, value, implicit)
+        key = (value, implicit)
+        tag = self._tags.get(key)
+        if tag is None:
+            tag = super().resolve(kind, value, implicit)
+            if len(self._tags) < 65536:  # bounded: a file of unique values gains nothing from it
+                self._tags[key] = tag
+        return tag
+
+# What YAML itself refuses as text (YAML 1.1 printable set): C0 controls but TAB, LF, CR; DEL; C1 but NEL;
+# surrogates; U+FFFE/U+FFFF. Found here first so the error names the line, not a byte offset.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x84\x86-\x9f\ud800-\udfff\ufffe\uffff]")
+
+
+def _refuse_unprintable(text: str, source: str) -> None:
+    """Raise one InventoryError naming the line and column of the first character YAML cannot hold."""
+    m = _UNPRINTABLE.search(text)
+    if m is None:
+        return
+    line = text.count("\n", 0, m.start()) + 1
+    column = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+    code = ord(m.group())
+    fix = f"delete the character at line {line}, column {column} of {source}"
+    if code == 0 and source != EMBEDDED:  # NUL: a whole-file cleanup, runnable as printed
+        f = quoting.render([source])
+        fix = f"tr -d '\\000' < {f} > {f}.new && mv {f}.new {f}"
+    raise InventoryError(
+        f"{source}:{line}: control character U+{code:04X}{' (NUL)' if code == 0 else ''} at column {column}; "
+        "YAML text cannot hold it", fix=fix)
+
+
+def _refuse_aliases(text: str, source: str) -> None:
+    """Refuse YAML anchors/aliases: one 300-byte alias bomb expands to billions of nodes in every walk over
+    the document (line index, validation). No inventory needs them; the error names the first alias's line.
+
+    Only a text with an `&` can define an anchor, so the usual inventory pays nothing; otherwise the C parser's
+    events are read once (no nodes built) before anything is composed."""
+    if "&" not in text:
+        return
+    scan = _Loader(text)
+    try:
+        while scan.check_event():
+            event = scan.get_event()
+            if isinstance(event, yaml.AliasEvent):
+                line = event.start_mark.line + 1
+                raise InventoryError(
+                    f"{source}:{line}: YAML alias *{event.anchor}: anchors and aliases are not accepted in an "
+                    "inventory (a few aliases can expand to billions of entries)",
+                    fix=f"write the entry out in full at line {line} of {source} instead of *{event.anchor}",
+                )
+    finally:
+        scan.dispose()
 
 
 def _compose(text: str, source: str):
-    loader = _LineLoader(text)
+    """(node graph with marks, plain data) of the inventory text.
+
+    Raises:
+        InventoryError: a control character, a YAML syntax error or an alias, as one `FILE:LINE: what` line.
+    """
+    _refuse_unprintable(text, source)
     try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
+        _refuse_aliases(text, source)
+        loader = _Loader(text)
+        # The cyclic GC would walk the growing node graph again and again (it holds no cycles until done).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+            if collecting:
+                gc.enable()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}" if mark else source
         problem = " ".join(p for p in (exc.context, exc.problem) if p)
         raise InventoryError(f"{where}: YAML syntax error: {problem}", fix="fix the YAML at that line") from None
     except yaml.YAMLError as exc:
-        raise InventoryError(f"{source}: YAML error: {exc}") from None
-    finally:
-        loader.dispose()
+        raise InventoryError(f"{source}: YAML error: {' '.join(str(exc).split())}",
+                             fix=f"fix the YAML in {source}") from None
     return node, data
 
 
@@ -592,6 +708,11 @@ def _check_references(inv: Inventory, lines: dict, source: str) -> list[str]:
             if isinstance(inv.targets.get(e.target), ContainerTargetSpec) and isinstance(inv.venvs.get(e.venv), WorkstationVenv):
                 err(("experiments", name, "venv"), f"venv profile {e.venv!r} is the workstation's own interpreter, "
                     "which a container cannot run; use a `kind: system` profile (the container's python3)")
+        if isinstance(e, DflashExperiment) and e.data_venv is not None:
+            ref(("experiments", name, "data_venv"), "venv profile", e.data_venv, inv.venvs)
+            if isinstance(inv.targets.get(e.target), ContainerTargetSpec) and isinstance(inv.venvs.get(e.data_venv), WorkstationVenv):
+                err(("experiments", name, "data_venv"), f"venv profile {e.data_venv!r} is the workstation's own "
+                    "interpreter, which a container cannot run; use a `kind: uv` profile (e.g. vllm)")
         if isinstance(e, DflashExperiment) and e.layout.nodes:
             _check_nodes(name, e, inv, err, ref)
         elif isinstance(e, DflashExperiment):

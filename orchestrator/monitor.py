@@ -8,9 +8,10 @@ only after the condition has cleared, so a follower can print every alert it get
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 
 @dataclass
 class Alert:
-    """One health alert: kind is "regression", "memory-growth" or "hang"."""
+    """One health alert: kind is "regression", "memory-growth", "hang", "tau-near-1" or "tau-drop"."""
 
     kind: str
     message: str
@@ -54,8 +55,9 @@ class ThroughputRegression:
     """Tokens/s below `fraction` x the baseline for at least `seconds`.
 
     Args:
-        baseline_tokens_per_s: the last good run's median tokens/s (see `pick_baseline`); None until
-            `set_baseline` provides one (nothing fires without a baseline).
+        baseline_tokens_per_s: the last good run's median tokens/s (the agent's tail verb finds it:
+            orchestrator.agent.tailer.last_good_baseline); None until `set_baseline` provides one (nothing
+            fires without a baseline).
         fraction: the threshold as a fraction of the baseline.
         seconds: how long throughput must stay below it.
         key: the metrics field holding tokens/s.
@@ -78,13 +80,11 @@ class ThroughputRegression:
         if baseline_tokens_per_s is not None:
             self.set_baseline(baseline_tokens_per_s)
 
-    def set_baseline(self, baseline: float | dict | Baseline) -> None:
-        """Set the baseline: tokens/s as a number, a Baseline, or a dict with `tokens_per_s` (the agent's
-        tail verb reports that dict)."""
+    def set_baseline(self, baseline: float | dict) -> None:
+        """Set the baseline: tokens/s as a number, or a dict with `tokens_per_s` (the agent's tail verb
+        reports that dict)."""
         if isinstance(baseline, dict):
             baseline = baseline.get("tokens_per_s")
-        elif isinstance(baseline, Baseline):
-            baseline = baseline.tokens_per_s
         value = _number(baseline)
         if value is None or value <= 0:
             raise ValueError(f"baseline tokens/s must be a number > 0, got {baseline!r}")
@@ -241,13 +241,110 @@ class HangDetector:
         )]
 
 
-@dataclass
-class Baseline:
-    """Throughput of the last good run of an experiment."""
+class SilentFailure:
+    """Real τ near 1 during training while the token accuracy rises: the drafter learns, yet what is
+    evaluated does not draft. The classic train/serve mismatch (wrong target layers, mask token, RoPE base,
+    chat template or thinking mode); the alert names each cause with the run's own value for it, read from
+    the trainer's `facts` record (`trainer.metrics.run_facts`).
 
-    run_id: str
-    tokens_per_s: float
-    samples: int
+    Args:
+        near_one: a τ at or below this counts as "near 1" (an untrained drafter gives 1.0).
+        min_accuracy: the training accuracy that says the drafter has learned something.
+        min_rise: how much the accuracy must have risen since the first training record.
+    """
+
+    def __init__(self, near_one: float = 1.25, min_accuracy: float = 0.3, min_rise: float = 0.1):
+        self.near_one, self.min_accuracy, self.min_rise = near_one, min_accuracy, min_rise
+        self.facts: dict[str, Any] = {}
+        self._first_acc: float | None = None
+        self._acc: float | None = None
+        self._fired = False
+
+    def feed(self, record: dict) -> list[Alert]:
+        kind = record.get("kind", "train")
+        if kind == "facts":
+            self.facts = dict(record)
+            return []
+        if kind == "train":
+            acc = _number(record.get("acc"))
+            if acc is not None:
+                self._first_acc = acc if self._first_acc is None else self._first_acc
+                self._acc = acc
+            return []
+        if kind != "eval" or record.get("when") == "before":
+            return []
+        tau = _number(record.get("tau"))
+        if tau is None or self._acc is None or self._first_acc is None:
+            return []
+        learned = self._acc >= self.min_accuracy and self._acc - self._first_acc >= self.min_rise
+        if tau > self.near_one or not learned:
+            self._fired = False
+            return []
+        if self._fired:
+            return []
+        self._fired = True
+        return [Alert(
+            kind="tau-near-1",
+            message=(f"real τ {tau:.2f} at step {record.get('step')} while the token accuracy rose "
+                     f"{self._first_acc:.2f} -> {self._acc:.2f}: the drafter learns, but the drafter that is evaluated "
+                     f"does not draft. Usual causes, with this run's values: {silent_failure_causes(self.facts)}"),
+            detail={"tau": tau, "accuracy": self._acc, "first_accuracy": self._first_acc, "facts": self.facts},
+        )]
+
+
+def silent_failure_causes(facts: dict) -> str:
+    """The usual causes of a high accuracy with τ near 1, each with what the run's facts say of it."""
+    def val(key: str) -> str:
+        return "not recorded" if key not in facts else json.dumps(facts[key], sort_keys=True)
+
+    return "; ".join([
+        f"target layers {val('target_layer_ids')} of the target's {val('num_target_layers')} (the export's "
+        "dflash_config.target_layer_ids must name the layers the drafter was trained on)",
+        f"mask token id {val('mask_token_id')} (dflash_config.mask_token_id: the id the engine fills draft slots with)",
+        f"RoPE base: target {val('rope_theta_target')}, drafter {val('rope_theta_drafter')} (must be equal; "
+        "an export without a top-level rope_theta is read as 10000 by transformers 4.57 loaders)",
+        f"chat template arguments: training {val('chat_template_kwargs')}, evaluation "
+        f"{val('eval_chat_template_kwargs')} (e.g. enable_thinking must match what is served)",
+    ])
+
+
+class TauDrop:
+    """Real τ falls between evaluations by more than `fraction` of the best τ seen so far (steps > 0).
+
+    Args:
+        fraction: the drop, as a fraction of the best earlier τ, that fires (0.2: a fall from 3.0 below 2.4).
+    """
+
+    def __init__(self, fraction: float = 0.2):
+        if not 0 < fraction < 1:
+            raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+        self.fraction = fraction
+        self._best: tuple[float, Any] | None = None
+        self._fired = False
+
+    def feed(self, record: dict) -> list[Alert]:
+        if record.get("kind") != "eval" or record.get("when") == "before":
+            return []
+        tau = _number(record.get("tau"))
+        if tau is None:
+            return []
+        if self._best is None or tau > self._best[0]:
+            self._best, self._fired = (tau, record.get("step")), False
+            return []
+        best, at = self._best
+        if tau >= best * (1 - self.fraction) or self._fired:
+            if tau >= best * (1 - self.fraction):
+                self._fired = False
+            return []
+        self._fired = True
+        return [Alert(
+            kind="tau-drop",
+            message=(f"real τ fell to {tau:.2f} at step {record.get('step')} from {best:.2f} at step {at} "
+                     f"(more than {self.fraction:.0%}): a learning rate too high for this point of the run, "
+                     "a data shift, or a resume that loaded other weights; compare the checkpoints' τ with "
+                     "python -m trainer eval before training on"),
+            detail={"tau": tau, "best_tau": best, "best_step": at},
+        )]
 
 
 def build_monitors(cfg: Any = None) -> list:
@@ -261,7 +358,7 @@ def build_monitors(cfg: Any = None) -> list:
             (missing ones take the defaults).
 
     Returns:
-        [ThroughputRegression, MemoryGrowth]
+        [ThroughputRegression, MemoryGrowth, SilentFailure, TauDrop]
     """
     def get(name: str, default: float) -> float:
         value = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
@@ -270,40 +367,6 @@ def build_monitors(cfg: Any = None) -> list:
     return [
         ThroughputRegression(None, fraction=get("regression_fraction", 0.7), seconds=get("regression_seconds", 300)),
         MemoryGrowth(seconds=get("memory_growth_seconds", 600)),
+        SilentFailure(near_one=get("tau_near_one", 1.25)),
+        TauDrop(fraction=get("tau_drop_fraction", 0.2)),
     ]
-
-
-def median_tokens_per_s(records: Iterable[dict], key: str = "tokens_per_s", skip_fraction: float = 0.1) -> float | None:
-    """Median tokens/s of a run, leaving out the first `skip_fraction` of records (compile/warm-up) and
-    zero or non-numeric values. None when nothing is left."""
-    values = [v for v in (_number(r.get(key)) for r in records) if v is not None and v > 0]
-    values = values[int(len(values) * skip_fraction):]
-    return statistics.median(values) if values else None
-
-
-def pick_baseline(runs: Iterable[dict], experiment: str, load_metrics: Callable[[dict], list[dict]],
-                  exclude_run_id: str | None = None) -> Baseline | None:
-    """The median tokens/s of the most recent succeeded run of `experiment`.
-
-    Args:
-        runs: run records with at least `run_id`, `experiment`, and `state` ("succeeded") or `exit_code` 0;
-            ordered by `ended`/`created` (ISO strings) when present, else by position.
-        experiment: the experiment name to match.
-        load_metrics: returns a run's metrics records (e.g. reads its metrics.jsonl).
-        exclude_run_id: the run being followed, never its own baseline.
-
-    Returns:
-        The Baseline, or None when no succeeded run with throughput exists.
-    """
-    good = [
-        (str(r.get("ended") or r.get("created") or ""), i, r)
-        for i, r in enumerate(runs)
-        if r.get("experiment") == experiment and r.get("run_id") != exclude_run_id
-        and (r.get("state") == "succeeded" or (r.get("state") is None and r.get("exit_code") == 0))
-    ]
-    for _, _, run in sorted(good, key=lambda x: (x[0], x[1]), reverse=True):
-        records = load_metrics(run)
-        median = median_tokens_per_s(records)
-        if median is not None:
-            return Baseline(run_id=str(run["run_id"]), tokens_per_s=median, samples=len(records))
-    return None

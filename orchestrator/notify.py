@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -20,14 +21,37 @@ EVENT_KINDS = ("crash", "hang", "regression", "completion")
 
 @dataclass
 class Outcome:
-    """What happened to one delivery: channel is "webhook" or "command"."""
+    """What happened to one delivery: channel is "webhook" or "command"; `fix` says what to check when it
+    failed. No text of it holds more of a webhook URL than `redact_url` keeps."""
 
     channel: str
     ok: bool
     detail: str
+    fix: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def warning(self, kind: str, source: str) -> str:
+        """The one warning line of a failed delivery: what failed, where, and what to check in `source`."""
+        fix = self.fix or f"check notify.{self.channel} in {source}"
+        return f"warning: the {kind} notification by {self.channel} failed: {self.detail}; fix: {fix}"
+
+
+def redact_url(url: str) -> str:
+    """`scheme://host[:port]/...` of a URL: webhook URLs carry their secret in the user part, the path
+    (Slack's /services/T/B/SECRET, Discord's /api/webhooks/ID/TOKEN) or the query, so only where it goes is
+    shown."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<a malformed URL>"
+    if not parts.scheme or not host:
+        return "<not a URL>"
+    more = "/..." if (parts.path not in ("", "/") or parts.query or parts.fragment or parts.username) else ""
+    return f"{parts.scheme}://{host}{port}{more}"
 
 
 def make_event(kind: str, run_id: str, *, experiment: str | None = None, message: str = "",
@@ -90,25 +114,30 @@ def notify(cfg: Any, event: dict, timeout: float = 10.0) -> list[Outcome]:
 
 
 def _post(url: str, body: bytes, timeout: float) -> Outcome:
+    shown = redact_url(url)
     if not url.startswith(("http://", "https://")):
-        return Outcome("webhook", False, f"{url!r} is not an http(s) URL; fix notify.webhook in the inventory")
+        return Outcome("webhook", False, f"{shown} is not an http(s) URL",
+                       "make notify.webhook an http:// or https:// URL")
     request = urllib.request.Request(url, data=body, method="POST",
                                      headers={"Content-Type": "application/json", "User-Agent": "dflashctl"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return Outcome("webhook", True, f"HTTP {response.status}")
     except urllib.error.HTTPError as exc:
-        return Outcome("webhook", False, f"{url} answered HTTP {exc.code} {exc.reason}")
+        why = "the URL or its token" if 400 <= exc.code < 500 else "the receiving service"
+        return Outcome("webhook", False, f"{shown} answered HTTP {exc.code} {exc.reason}",
+                       f"check {why} (notify.webhook)")
     except (urllib.error.URLError, socket.timeout, TimeoutError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        return Outcome("webhook", False, f"{url} unreachable: {reason}")
+        return Outcome("webhook", False, f"{shown} unreachable: {reason}",
+                       f"check that this workstation reaches {shown.removesuffix('/...')} (notify.webhook)")
 
 
 def _run(argv: list[str], body: bytes, timeout: float) -> Outcome:
     try:
         proc = subprocess.run(argv, input=body, capture_output=True, timeout=timeout, check=False)
     except FileNotFoundError:
-        return Outcome("command", False, f"{argv[0]!r} not found; fix notify.command in the inventory")
+        return Outcome("command", False, f"{argv[0]!r} not found", "give notify.command an existing program")
     except subprocess.TimeoutExpired:
         return Outcome("command", False, f"{argv[0]} did not finish within {timeout:.0f} s")
     except OSError as exc:

@@ -122,12 +122,14 @@ class EarlyConnection:
         started, self._started = self._started, None
         return started
 
-    def take(self, key: HostKey):
-        """The connected SSHTransport if it was made for `key`, else None (and it is closed).
+    def take(self, name: str, host):
+        """The connected SSHTransport if it was made for host `name` with `host`'s connection fields (an
+        inventory HostSpec, or a HostKey), else None (and it is closed).
 
         Raises:
             DflashError: the connection for `key` failed (ConnectError, HostKeyError) in the thread.
         """
+        key = HostKey.of(name, host)
         self._thread.join()
         transport, error = self._transport, self._error
         self._transport = self._error = None

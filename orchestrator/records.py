@@ -11,10 +11,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import names
 from orchestrator.errors import RunNotFound, UserError
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
@@ -119,6 +121,109 @@ def find_record(ref: str) -> dict:
             fix="give more of the run id",
         )
     raise RunNotFound(f"no run {ref!r} in {records_path()}", fix="dflashctl runs  (lists recorded runs)")
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node of a run across targets, as its launch recorded it."""
+
+    index: int
+    target: str
+    run_dir: str | None = None
+    session: str | None = None
+    gpus: list[int] = field(default_factory=list)
+    env_fingerprint: dict | None = None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A launch as this workstation recorded it (one line of runs.jsonl, its stop folded in). The fields any
+    verb reads are typed here; `raw` is the whole line as written (what `runs diff` compares)."""
+
+    run_id: str
+    experiment: str | None = None
+    target: str | None = None
+    """The run's target (node 0's for a run across targets)."""
+    run_dir: str | None = None
+    gpus: list[int] = field(default_factory=list)
+    nodes: list[NodeRecord] = field(default_factory=list)
+    """Empty for a run on one target."""
+    stopped: dict | None = None
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, rec: dict) -> RunRecord:
+        """The typed view of one record line (unknown keys stay in `raw`; a node without a target is skipped
+        as the torn remains of a record it is)."""
+        nodes = [NodeRecord(index=int(n.get("index", i)), target=n["target"], run_dir=n.get("run_dir"),
+                            session=n.get("session"), gpus=list(n.get("gpus") or []),
+                            env_fingerprint=n.get("env_fingerprint"))
+                 for i, n in enumerate(rec.get("nodes") or []) if isinstance(n, dict) and n.get("target")]
+        return cls(run_id=rec["run_id"], experiment=rec.get("experiment"), target=rec.get("target"),
+                   run_dir=rec.get("run_dir"), gpus=list(rec.get("gpus") or []), nodes=nodes,
+                   stopped=rec.get("stopped"), raw=dict(rec))
+
+
+def find_run(ref: str) -> RunRecord:
+    """find_record, typed.
+
+    Raises:
+        RunNotFound: as find_record.
+    """
+    return RunRecord.from_dict(find_record(ref))
+
+
+def requested_by(verb: str = "dflashctl stop") -> dict:
+    """Who acts on a run from this workstation, as its stop.json, exit.json and records note it:
+    {by: user@workstation, via: the verb}."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no $USER: a container's uid
+        user = f"uid{os.getuid()}"
+    return {"by": f"{user}@{socket.gethostname()}", "via": verb}
+
+
+# ------------------------------------------------------------------ what this workstation printed of a run
+
+PRINTED_DIR = "printed"
+
+
+def _printed_path(run_id: str, target: str) -> Path:
+    return state_dir() / PRINTED_DIR / f"{run_id}@{target}.json"
+
+
+def printed_offset(run_id: str, target: str) -> int | None:
+    """The byte offset in run `run_id`'s train.log on `target` just past the last line this workstation printed
+    of it (`logs`, `launch --follow`); None when it printed none, or the file does not read back."""
+    try:
+        data = json.loads(_printed_path(run_id, target).read_text())
+    except (OSError, ValueError):
+        return None
+    offset = data.get("offset") if isinstance(data, dict) else None
+    return offset if isinstance(offset, int) and offset >= 0 else None
+
+
+def save_printed_offset(run_id: str, target: str, offset: int) -> None:
+    """Note that every line of the log up to byte `offset` has been printed here: written to a temporary name,
+    fsynced and renamed, so a follow killed at any moment leaves the old offset or the new one, never half.
+
+    Raises:
+        UserError: the run id or target cannot name a file (checked as names are everywhere).
+    """
+    for kind, value, limit in (("run id", run_id, names.RUN_ID_MAX), ("target", target, names.NAME_MAX)):
+        if not names.is_valid(value, limit):
+            raise UserError(f"bad {kind} {value!r} for the printed-offset file", fix="use the run id as printed")
+    path = _printed_path(run_id, target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps({"offset": int(offset)}))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

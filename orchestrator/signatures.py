@@ -8,11 +8,18 @@ looks at the lines around hits, which is what makes `dflashctl diagnose` competi
 A Python traceback (from `Traceback (most recent call last):` through its exception line and message,
 including chained tracebacks) is grouped into ONE event carrying the winning signature, the exception line
 and the last frame. Lines outside tracebacks are events of their own.
+
+The inventory's own patterns (`signatures:`) are the user's regexes, which may backtrack for ever on one line
+(`(a+)+$`): they run with the `regex` module under a time bound per line (USER_PATTERN_TIMEOUT_S), and one that
+times out is named in one warning and skipped from then on. The shipped catalogue's patterns are vetted and
+run on `re`. Matching runs on the workstation only (diagnose, the follower), never in the agent.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -26,6 +33,12 @@ _FIELDS = {"id", "patterns", "prefilter", "severity", "priority", "title", "diag
 _REQUIRED = ("id", "patterns", "severity", "title", "diagnosis", "fix")
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
+USER_PATTERN_TIMEOUT_S = 0.2
+"""The most one inventory pattern may spend on one line; past it the signature is skipped for the rest."""
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 _CHAIN_MARKERS = (
     "During handling of the above exception, another exception occurred:",
     "The above exception was the direct cause of the following exception:",
@@ -57,6 +70,8 @@ class Signature:
     not_this: tuple[str, ...] = ()
     prefilter: tuple[str, ...] = ()
     priority: int = 0
+    user: bool = False
+    """Its patterns come from the inventory: run under the time bound."""
 
     def render(self, groups: dict[str, str]) -> dict[str, Any]:
         """Title, diagnosis, fix and not_this with `{group}` placeholders filled from a match."""
@@ -122,11 +137,14 @@ class Match:
 class Catalogue:
     """The validated signatures, in catalogue order, with the compiled prefilter and patterns."""
 
-    def __init__(self, signatures: list[Signature]):
+    def __init__(self, signatures: list[Signature], on_warning: Callable[[str], None] = _warn):
         self.signatures = list(signatures)
         self.by_id = {s.id: s for s in self.signatures}
         self.by_id.setdefault(UNCLASSIFIED, _UNCLASSIFIED_SIG)
-        self._patterns = [[re.compile(p) for p in s.patterns] for s in self.signatures]
+        self._patterns = [[_compile(p, s.user) for p in s.patterns] for s in self.signatures]
+        self.on_warning = on_warning
+        self.timed_out: dict[str, str] = {}
+        """Inventory signatures skipped after a pattern ran out of time: id -> that pattern."""
         # One alternation of every prefilter plus the traceback header; a line that misses it cannot match.
         # Deduplicated and sorted: sre tries branches in order at every candidate position, and sorted
         # literals sharing a first character sit together (measured ~2x faster on bench/diagnose_vs_grep).
@@ -150,17 +168,46 @@ class Catalogue:
         """Every signature whose patterns match `text` (a single line), with its named groups."""
         hits = []
         for sig, pats in zip(self.signatures, self._patterns):
+            if sig.id in self.timed_out:
+                continue
             for pat in pats:
-                m = pat.search(text)
+                m = self._search(sig, pat, text) if sig.user else pat.search(text)
                 if m:
                     hits.append((sig, {k: v for k, v in m.groupdict().items() if v is not None}))
                     break
         return hits
 
 
+    def _search(self, sig: Signature, pat, text: str):
+        """An inventory pattern's search under the time bound; a timeout skips its signature, once warned."""
+        try:
+            return pat.search(text, timeout=USER_PATTERN_TIMEOUT_S)
+        except TimeoutError:
+            self.timed_out[sig.id] = pat.pattern
+            self.on_warning(
+                f"warning: signature {sig.id!r} (inventory signatures:) skipped: its pattern {pat.pattern!r} ran "
+                f"longer than {USER_PATTERN_TIMEOUT_S:g} s on one line (catastrophic backtracking); fix: rewrite "
+                "it without nested repetition (e.g. (a+)+ -> a+) or anchor it on a literal")
+            return None
+
+
+def _compile(pattern: str, user: bool):
+    """`re` for the shipped catalogue; the `regex` module (which takes a timeout) for the inventory's."""
+    if not user:
+        return re.compile(pattern)
+    import regex
+
+    return regex.compile(pattern)
+
+
 def _prefilters(sig: Signature) -> list[str]:
     """The prefilter regexes of a signature: given ones, else a literal run of each pattern, else the
-    patterns themselves (always correct, only slower)."""
+    patterns themselves (always correct, only slower). An inventory signature's regexes never enter the
+    prefilter (it runs on `re`, unbounded): only their literal runs, else the empty pattern (every line is
+    then checked, under the bound)."""
+    if sig.user:
+        lits = [_longest_literal(p) for p in (sig.prefilter or sig.patterns)]
+        return [re.escape(lit) if lit and len(lit) >= 4 else "" for lit in lits]
     if sig.prefilter:
         return list(sig.prefilter)
     out = []
@@ -281,8 +328,31 @@ def load_catalogue(extra: list[dict] | None = None) -> Catalogue:
         base = dict(merged.get(entry.get("id"), {}))
         base.update(entry)
         _validate(base, where)
+        if "patterns" in entry or "prefilter" in entry:
+            base["user"] = True
+            _check_user_patterns(base, where)
         merged[base["id"]] = base
-    return Catalogue([_validate(e, e["id"]) for e in merged.values()])
+    return Catalogue([_signature(e) for e in merged.values()])
+
+
+def _signature(entry: dict) -> Signature:
+    user = bool(entry.get("user"))
+    sig = _validate({k: v for k, v in entry.items() if k != "user"}, entry["id"])
+    return Signature(**{**asdict(sig), "user": user}) if user else sig
+
+
+def _check_user_patterns(entry: dict, where: str) -> None:
+    """An inventory pattern must also compile under the `regex` module, which runs it."""
+    import regex
+
+    for key in ("patterns", "prefilter"):
+        value = entry.get(key) or []
+        for i, pat in enumerate([value] if isinstance(value, str) else value):
+            try:
+                regex.compile(pat)
+            except regex.error as exc:
+                raise InventoryError(f"{where} (id {entry.get('id')!r}): {key}[{i}] {pat!r} is not a usable "
+                                     f"regex: {exc}", fix="fix the regex") from None
 
 
 def _winner(hits: Iterable[tuple[Signature, dict]]) -> tuple[Signature, dict] | None:

@@ -444,9 +444,7 @@ def open_target(inv, name: str, early=None) -> BaseTarget:
         host = inv.host(spec.host)
         ssh = None
         if early is not None:
-            from orchestrator.preconnect import HostKey
-
-            ssh = early.take(HostKey.of(spec.host, host))
+            ssh = early.take(spec.host, host)
         target = container_target(name, spec, host, ssh or ssh_transport(host, spec.host))
         if ssh is not None:
             target.started = early.take_agent()  # used only if it runs exactly what the next agent call would

@@ -61,6 +61,12 @@ envs=()
 if [ -f "$run_dir/launch.env0" ]; then
     mapfile -d '' -t envs < "$run_dir/launch.env0"
 fi
+# The secret variables (launch.secret0, 0600): read, then deleted before anything runs, so none stays on disk.
+if [ -f "$run_dir/launch.secret0" ]; then
+    mapfile -d '' -t secrets < "$run_dir/launch.secret0"
+    rm -f "$run_dir/launch.secret0"
+    envs+=("${secrets[@]}")
+fi
 
 # All output, ours and the command's, goes through one tee: appended to train.log and shown in the pane.
 # -i: a Ctrl-C typed into an attached pane must not kill the logger while the trainer shuts down cleanly.

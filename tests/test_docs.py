@@ -85,3 +85,31 @@ def test_the_readme_links_every_docs_page():
     assert pages, "docs/ has no pages"
     unlinked = [p for p in pages if f"](docs/{p})" not in readme]
     assert not unlinked, f"README.md does not link {unlinked}"
+
+
+def _readme_block_after(heading: str) -> str:
+    readme = (REPO / "README.md").read_text()
+    m = re.search(re.escape(heading) + r".*?```sh\n(.*?)\n```", readme, re.S)
+    assert m, f"README.md has no sh block after {heading!r}"
+    return m.group(1)
+
+
+def test_the_readme_test_command_installs_pytest_before_it_runs_it():
+    """The README's test command passes on a fresh clone after its first command (which installs only the
+    `trainer` extra): it installs the `test` extra, which must hold pytest, into the same interpreter first."""
+    import tomllib
+
+    first = _readme_block_after("## The two commands")
+    test_cmd = _readme_block_after("Run the tests")
+    assert "'.[trainer]'" in first and "python3 -m venv .venv" in first
+    install, sep, run = test_cmd.partition(" && ")
+    assert sep and run == "python3 -m pytest -q -p no:cacheprovider tests"
+    assert install.startswith("python3 -m pip install ") and "test" in re.search(r"'\.\[([\w,]+)\]'", install)[1].split(",")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(re.match(r"pytest\b(?!-)", dep) for dep in extras["test"])
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    """.ci/run runs the README's test command as the README prints it, on a line of its own."""
+    test_cmd = _readme_block_after("Run the tests")
+    assert test_cmd in (REPO / ".ci" / "run").read_text().splitlines()

@@ -1,4 +1,5 @@
-"""`python -m trainer train --config FILE`, `python -m trainer tiny [--out DIR]`, `python -m trainer eval ...`.
+"""`python -m trainer train --config FILE`, `python -m trainer tiny [--out DIR]`, `python -m trainer eval ...`,
+`python -m trainer regenerate CONFIG [--datasets DIR] [--run-dir DIR]` (the data stage, trainer.regenerate).
 
 Thin: parse flags, make one call into `trainer.loop` (the colocated layout in this process, world size 1;
 split layouts run under `python -m trainer.launch`) or `trainer.evaluate`, print the outcome. Exit codes: 0
@@ -23,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     y.add_argument("--out", default="runs/tiny", help="run directory (default: runs/tiny)")
     y.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     y.add_argument("--seed", type=int, default=0, help="seed for the drafter, data order and anchors")
+    r = sub.add_parser("regenerate", help="the data stage: regenerate the training responses with the target (sharded, resumable)")
+    r.add_argument("config", help="TrainConfig as JSON or YAML (its data section chooses the engine)")
+    r.add_argument("--datasets", help="datasets root (default: $DFLASH_DATASETS_DIR, else <workdir>/datasets of --run-dir)")
+    r.add_argument("--run-dir", help="the run directory: progress records go to its metrics.jsonl")
     e = sub.add_parser(
         "eval", help="τ of an exported drafter against its target: chain and DDTree budgets, greedy and sampled"
     )
@@ -38,6 +43,16 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     e.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
     e.add_argument("--json", dest="json_out", help="also write the full report (per prompt, histograms) here")
+    e.add_argument("--engine", default="own", choices=["own", "vllm"],
+                   help="own: the project's decode loop (default); vllm: also vLLM's DFlash speculative decoding "
+                        "and plain vLLM on the same prompts (greedy; needs vLLM in this interpreter)")
+    e.add_argument("--tolerance", type=float, default=None,
+                   help="--engine vllm: largest per-prompt |vLLM - project| acceptance length accepted")
+    e.add_argument("--reference-export", default=None,
+                   help="--engine vllm: the drafter vLLM's numbers must match (default: --export itself; give the "
+                        "trainer's own export when vLLM serves a converted copy)")
+    e.add_argument("--metrics", default=None,
+                   help="--engine vllm: append the numbers to this metrics.jsonl (a run's, for dflashctl metrics)")
     return p
 
 
@@ -68,6 +83,8 @@ def _eval(args) -> int:
     except ValidationError as exc:
         err = exc.errors()[0]
         raise ValueError(f"--{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}") from None
+    if args.engine == "vllm":
+        return _eval_vllm(args, kwargs)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cpu":
         from trainer.config import LayoutConfig
@@ -81,6 +98,50 @@ def _eval(args) -> int:
     print(f"τ {report.tau:.3f} (greedy chain, {args.export})", flush=True)
     if args.json_out:
         print(f"wrote {report.save(args.json_out)}", flush=True)
+    return 0
+
+
+def _regenerate(args) -> int:
+    """The data stage: prints `regen ...` progress lines, then the finished dataset's directory (last line)."""
+    from trainer.config import load_config
+    from trainer.regenerate import default_root, run_stage
+    from trainer.setup import resolve_sources
+
+    cfg = load_config(args.config)
+    src = resolve_sources(cfg, lambda line: print(line, flush=True))
+    if not src.regenerate:
+        raise ValueError(f"{args.config}: data.regenerate is false (or the tiny target's own data is used): nothing to "
+                         "regenerate; set data.regenerate: true and list data.train_files")
+    root = default_root(args.run_dir, args.datasets)
+    path = run_stage(cfg, src.target_dir, src.train_files, root, run_dir=args.run_dir,
+                     log=lambda line: print(line, flush=True))
+    print(path, flush=True)
+    return 0
+
+
+def _eval_vllm(args, chat_template_kwargs: dict) -> int:
+    """`eval --engine vllm`: vLLM's DFlash speculative decoding and plain vLLM beside the project's loop
+    (greedy chain), judged: exit 1 on a lossy output or a per-prompt acceptance beyond the tolerance."""
+    from trainer.vllm_eval import DEFAULT_TOLERANCE, EngineError, evaluate_in_vllm, judge
+
+    tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    report = evaluate_in_vllm(
+        args.export, args.target, args.prompts, max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts,
+        chat_template_kwargs=chat_template_kwargs, tolerance=tolerance, reference_export=args.reference_export,
+    )
+    print(report.table(), flush=True)
+    if args.json_out:
+        print(f"wrote {report.save(args.json_out)}", flush=True)
+    if args.metrics:
+        from trainer.metrics import MetricsWriter
+
+        with MetricsWriter(args.metrics) as writer:
+            writer.write({"kind": "eval_vllm", **report.to_record()})
+    try:
+        judge(report, args.export)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -117,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError, load_config
     from trainer.data import DataError
 
+    if args.command == "regenerate":
+        try:
+            return _regenerate(args)
+        except (ValueError, RuntimeError) as exc:  # ConfigError, DataError, RegenerateError, EngineError
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
     if args.command == "eval":
         try:
             return _eval(args)

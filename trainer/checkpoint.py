@@ -89,6 +89,7 @@ class CheckpointManager:
         Returns:
             The final checkpoint directory.
         """
+        self._recover()
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp-step_{step:08d}-{os.getpid()}"
         if tmp.exists():
@@ -106,7 +107,8 @@ class CheckpointManager:
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         if final.exists():
-            # Same step saved again (a resumed run reaching a step it had saved): swap, never mix files.
+            # Same step saved again (a resumed run reaching a step it had saved): swap, never mix files. A kill
+            # between the two renames leaves the step only under .old-: _recover puts it back.
             old = self.root / f".old-step_{step:08d}-{os.getpid()}"
             os.rename(final, old)
             os.rename(tmp, final)
@@ -126,6 +128,21 @@ class CheckpointManager:
         for p in self.root.iterdir():
             if p.name.startswith((".tmp-step_", ".old-step_")) and not p.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(p, ignore_errors=True)
+
+    def _recover(self) -> None:
+        """Put back a checkpoint that a process killed in the middle of a same-step swap left under
+        `.old-step_N-<pid>` with no `step_N` beside it (it was complete under its final name)."""
+        if not self.root.exists():
+            return
+        for p in sorted(self.root.iterdir()):
+            m = re.match(r"^\.old-(step_\d{8})-\d+$", p.name)
+            if m and p.is_dir() and not (self.root / m.group(1)).exists():
+                try:
+                    os.rename(p, self.root / m.group(1))
+                except OSError:  # another rank of the same run, resuming at the same moment, put it back
+                    continue
+                _warn(f"recovered {self.root / m.group(1)} from {p.name} (a re-save of that step was interrupted)")
+                _fsync_dir(self.root)
 
     # -- reading -----------------------------------------------------------------------------------
     def _verify(self, path: Path) -> str | None:
@@ -171,6 +188,7 @@ class CheckpointManager:
         Returns:
             (step, state) or None when there is no usable checkpoint.
         """
+        self._recover()
         candidates = []
         for p in self.root.iterdir() if self.root.exists() else []:
             m = _NAME.match(p.name)

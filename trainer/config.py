@@ -155,6 +155,44 @@ class DataConfig(_Strict):
     """Tokens generated per held-out prompt when measuring τ (the tiny target uses its response_tokens)."""
     chat_template_kwargs: dict[str, bool | int | float | str] = {}
     """Extra arguments to the chat template, e.g. {"enable_thinking": false}; must match deployment (docs/dflash.md §4)."""
+    regenerate_engine: Literal["hf", "vllm", "openai"] = "hf"
+    """What regenerates (trainer.engines): hf = transformers generate (CPU fallback); vllm = vLLM's offline
+    engine, one per GPU of the layout (its own venv); openai = the endpoint at regenerate_url."""
+    regenerate_shard_size: int = Field(256, ge=1)
+    """Conversations per shard: each finished shard is kept, so a stopped stage redoes at most the shards in flight."""
+    regenerate_workers: int | None = Field(None, ge=1)
+    """Engines run side by side. None: one per GPU of the layout (per tensor-parallel group), else 1 on CPU
+    (CPU workers split this machine's cores); openai: parallel clients."""
+    regenerate_tensor_parallel: int = Field(1, ge=1)
+    """vllm: GPUs per engine, for a target that does not fit one GPU (a divisor of the layout's GPU count)."""
+    regenerate_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and compute of the hf and vllm engines; auto: float32 on CPU, bfloat16 on GPUs."""
+    regenerate_batch_size: int = Field(32, ge=1)
+    """hf: prompts generated together (static batches; vLLM batches continuously on its own)."""
+    regenerate_url: str | None = None
+    """openai: the endpoint's base URL, e.g. http://10.0.0.5:8000 (the server you run: vllm serve, SGLang, TGI)."""
+    regenerate_model: str | None = None
+    """openai: the served model name; None: the one model the endpoint lists at /v1/models."""
+    regenerate_max_in_flight: int = Field(32, ge=1, le=4096)
+    """openai: requests in flight at once per client."""
+    regenerate_timeout_s: int = Field(1800, ge=10)
+    """Watchdog: a worker this long on one shard (or an endpoint failing this long) stops the stage with an error."""
+
+    @model_validator(mode="after")
+    def _regenerate_engine(self):
+        if self.regenerate_engine == "openai":
+            url = self.regenerate_url or ""
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"regenerate_engine is openai but regenerate_url is {self.regenerate_url!r}: set it to the "
+                    "endpoint's base URL, e.g. regenerate_url: http://10.0.0.5:8000"
+                )
+        elif self.regenerate_url or self.regenerate_model:
+            raise ValueError(
+                f"regenerate_url / regenerate_model are for regenerate_engine: openai (it is {self.regenerate_engine}); "
+                "set regenerate_engine: openai, or delete them"
+            )
+        return self
 
 
 class EvalConfig(_Strict):
@@ -166,6 +204,12 @@ class EvalConfig(_Strict):
     """0 = greedy; > 0 = speculative sampling at that temperature (lossless in distribution)."""
     seed: int = 0
     """Seed of the sampling at T > 0, so two evaluations of the same weights agree."""
+    export_check: bool = True
+    """At step 0 and at every save, write the export, load it as engines do and compare every tensor and config
+    field with the drafter being trained (trainer.export_check); a mismatch stops the run."""
+    engine: Literal["own", "vllm"] = "own"
+    """Where the export will be judged and served: vllm refuses at step 0 a target that vLLM's attention cannot
+    serve on this device (e.g. head_dim 16 on CPU), then judge it with `python -m trainer eval --engine vllm`."""
 
     @field_validator("budgets")
     @classmethod

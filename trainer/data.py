@@ -5,8 +5,8 @@ Pipeline (each stage a plain function, tested on its own):
 1. `read_conversations(paths)`: ShareGPT (`conversations: [{from, value}]`) or OpenAI (`messages: [{role,
    content}]`) records -> `Conversation`s with normalised roles. Bad records are skipped and counted in a
    `SkipReport` with `file:line`.
-2. `regenerate(target, tokenizer, conversations, max_new_tokens)`: every assistant turn replaced by the
-   target's own greedy output (docs/dflash.md §2.1: the drafter must learn what THIS target says).
+2. regeneration (trainer.regenerate, a stage of its own, on trainer.engines): every assistant turn replaced by
+   the target's own greedy output (docs/dflash.md §2.1: the drafter must learn what THIS target says).
 3. `tokenize(conversations, tokenizer, max_len)`: the tokenizer's chat template; loss mask = 1 on the tokens
    of assistant turns (their content and end-of-turn marker), 0 on system/user text and template glue.
 4. `plan_epoch(lengths, ...)`: shuffled per epoch from the seed, first-fit into `rows_per_step` rows of
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
 # Normalised roles -> the spellings accepted in each format.
@@ -90,6 +91,19 @@ class SkipReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"total": self.total, "counts": dict(self.counts), "where": self.where}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SkipReport":
+        """Inverse of `to_dict`."""
+        return cls(Counter(d.get("counts", {})), {k: list(v) for k, v in d.get("where", {}).items()})
+
+    def merge(self, other: "SkipReport") -> None:
+        """Add `other`'s counts and locations after this one's (reports of consecutive chunks, merged in
+        order, equal the report of one pass over all of them)."""
+        for reason, n in other.counts.items():
+            self.counts[reason] += n
+            lst = self.where.setdefault(reason, [])
+            lst.extend(other.where.get(reason, [])[: max(0, self.max_examples - len(lst))])
 
 
 @dataclass
@@ -191,134 +205,29 @@ def read_conversations(paths: Iterable[str | Path], report: SkipReport | None = 
             raise DataError(f"{p}: no such data file (check data.train_files / data.eval_files in the config)")
         with open(p, encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                source = f"{p}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    report.add(source, BadRecord("bad JSON", str(exc)))
-                    continue
-                try:
-                    out.append(Conversation(normalize_record(obj), source))
-                except BadRecord as err:
-                    report.add(source, err)
+                conv = parse_line(line, f"{p}:{lineno}", report)
+                if conv is not None:
+                    out.append(conv)
     return out
 
 
-# -- 2. regeneration -------------------------------------------------------------------------------
-def _hf_model(target: Any) -> Any:
-    """The HF causal LM behind `target` (a bare HF model, or a wrapper holding one)."""
-    if hasattr(target, "generate"):
-        return target
-    for name in ("hf", "hf_model", "model"):
-        inner = getattr(target, name, None)
-        if inner is not None and hasattr(inner, "generate"):
-            return inner
-    raise TypeError(f"{type(target).__name__} has no `generate` and wraps no HF model (hf / hf_model / model)")
+def parse_line(line: str, source: str, report: SkipReport) -> Conversation | None:
+    """One jsonl line -> its Conversation; None for a blank line or a bad record (counted in `report`)."""
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        report.add(source, BadRecord("bad JSON", str(exc)))
+        return None
+    try:
+        return Conversation(normalize_record(obj), source)
+    except BadRecord as err:
+        report.add(source, err)
+        return None
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return ids
-
-
-@torch.no_grad()
-def greedy_generate(
-    target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int, batch_size: int = 32
-) -> list[list[int]]:
-    """Greedy continuations of token prompts, cut at the first end-of-sequence token (excluded).
-
-    Batches are left-padded (with an attention mask) and sorted by length so padding stays small.
-
-    Returns:
-        One list of new token ids per prompt, in the input order.
-    """
-    model = _hf_model(target)
-    device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[list[int]] = [[] for _ in prompts]
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        att = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            n = len(prompts[i])
-            ids[r, width - n :] = torch.tensor(list(prompts[i]), dtype=torch.long)
-            att[r, width - n :] = 1
-        gen = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=att.to(device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=pad_id,
-            eos_token_id=sorted(eos_ids) or None,
-        )
-        for r, i in enumerate(idx):
-            new = gen[r, width:].tolist()
-            cut = next((k for k, t in enumerate(new) if t in eos_ids), len(new))
-            out[i] = new[:cut]
-    return out
-
-
-def regenerate(
-    target: Any,
-    tokenizer: Any,
-    conversations: Sequence[Conversation],
-    max_new_tokens: int,
-    *,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    batch_size: int = 32,
-) -> list[Conversation]:
-    """Replace every assistant turn with the target's own greedy output (docs/dflash.md §2.1).
-
-    Turns are regenerated in order, each conditioned on the already regenerated earlier turns, so a
-    multi-turn conversation stays one the target would have produced. The text is decoded WITHOUT
-    dropping special tokens (only the end-of-turn is cut), so re-templating gives back the same tokens.
-
-    Args:
-        target: an HF causal LM, or a wrapper with `.hf` / `.hf_model` / `.model`.
-        tokenizer: the target's tokenizer (with a chat template and a pad or eos token).
-        conversations: the conversations (their assistant texts are only placeholders).
-        max_new_tokens: cap per assistant turn.
-        chat_template_kwargs: passed to apply_chat_template (e.g. {"enable_thinking": False}).
-        batch_size: prompts generated together.
-
-    Returns:
-        New Conversation objects (the inputs are not modified). A turn that regenerates to empty text
-        keeps its conversation; `tokenize` then skips it if nothing is left to supervise.
-    """
-    kw = dict(chat_template_kwargs or {})
-    model = _hf_model(target)
-    eos = _eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    convs = [Conversation([dict(m) for m in c.messages], c.source) for c in conversations]
-    max_turns = max((sum(m["role"] == "assistant" for m in c.messages) for c in convs), default=0)
-    for turn in range(max_turns):
-        jobs = []  # (conversation index, message index)
-        for ci, c in enumerate(convs):
-            seen = -1
-            for mi, m in enumerate(c.messages):
-                if m["role"] == "assistant":
-                    seen += 1
-                    if seen == turn:
-                        jobs.append((ci, mi))
-                        break
-        prompts = [
-            tokenizer.apply_chat_template(convs[ci].messages[:mi], add_generation_prompt=True, tokenize=False, **kw)
-            for ci, mi in jobs
-        ]
-        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        new = greedy_generate(model, prompt_ids, max_new_tokens, eos, pad, batch_size=batch_size)
-        for (ci, mi), toks in zip(jobs, new):
-            convs[ci].messages[mi]["content"] = tokenizer.decode(toks, skip_special_tokens=False)
-    return convs
+# -- 2. regeneration: trainer.engines (the engines) and trainer.regenerate (the stage) ----------------
 
 
 # -- 3. tokenisation -------------------------------------------------------------------------------
@@ -363,11 +272,12 @@ def tokenize_conversation(
     offsets = enc.get("offset_mapping")
     if offsets is None:
         raise BadRecord("tokenizer has no offsets", "use a fast tokenizer (PreTrainedTokenizerFast)")
-    mask = []
-    for start, end in offsets:
-        # A token belongs to a turn if its first character does; zero-width tokens use their position.
-        mask.append(int(any(s <= start < e for s, e in spans)))
-    return ids, mask
+    # A token belongs to a turn if its first character does; zero-width tokens use their position.
+    starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
+    inside = np.zeros(len(starts), dtype=bool)
+    for s, e in spans:
+        inside |= (starts >= s) & (starts < e)
+    return ids, inside.astype(np.int64).tolist()
 
 
 def tokenize(
@@ -405,7 +315,10 @@ def tokenize(
 
 
 def save_samples(samples: Sequence[Sample], path: str | Path) -> None:
-    """Write tokenised samples as jsonl (temp file + rename: never half-written)."""
+    """Write tokenised samples as jsonl (temp file + rename: never half-written).
+
+    The list path, kept as the baseline of bench/data_scale.py and the tests: a run's samples live in a
+    token store (trainer.store), whose memory does not grow with the dataset."""
     p = Path(path)
     tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -429,7 +342,7 @@ def load_samples(path: str | Path) -> list[Sample]:
 
 # -- 4. packing plan -------------------------------------------------------------------------------
 def plan_epoch(
-    lengths: Sequence[int],
+    lengths: Sequence[int] | Any,
     row_len: int,
     rows_per_step: int,
     token_budget: int,
@@ -445,6 +358,9 @@ def plan_epoch(
     rows. A document that fits nowhere waits for the next step (which starts with the waiting ones);
     the step closes once `lookahead` documents wait, so later short documents can fill the gaps.
 
+    Args:
+        lengths: tokens per sample (a list, or a store's numpy lengths array).
+
     Raises:
         DataError: the budget cannot hold rows_per_step rows, or a document is longer than a row.
     """
@@ -453,21 +369,31 @@ def plan_epoch(
             f"{rows_per_step} rows x {row_len} tokens = {rows_per_step * row_len} exceeds token_budget {token_budget}; "
             "lower data.max_batch_size or data.max_len, or raise data.token_budget"
         )
-    for i, n in enumerate(lengths):
-        if n > row_len:
-            raise DataError(f"sample {i} has {n} tokens, longer than a packed row ({row_len}); filter with max_len first")
+    lengths = lengths.tolist() if hasattr(lengths, "tolist") else list(lengths)  # numpy: Python ints, read fast
+    if lengths and max(lengths) > row_len:
+        i = next(i for i, n in enumerate(lengths) if n > row_len)
+        raise DataError(f"sample {i} has {lengths[i]} tokens, longer than a packed row ({row_len}); filter with max_len first")
     order = list(range(len(lengths)))
     random.Random(f"{seed}:{epoch}").shuffle(order)
     steps: list[list[list[int]]] = []
-    queue = order
-    while queue:
+    # The queue of a step is `head` (the documents that waited, then any the last step did not reach) followed
+    # by order[pos:]; kept apart so a step costs O(lookahead), not a copy of the whole remaining order.
+    head: list[int] = []
+    pos = 0
+    while head or pos < len(order):
         rows: list[list[int]] = []
         used: list[int] = []
         waiting: list[int] = []
-        k = 0
-        while k < len(queue) and len(waiting) < lookahead:
-            i = queue[k]
-            k += 1
+        h = 0
+        while len(waiting) < lookahead:
+            if h < len(head):
+                i = head[h]
+                h += 1
+            elif pos < len(order):
+                i = order[pos]
+                pos += 1
+            else:
+                break
             n = lengths[i]
             r = next((j for j, u in enumerate(used) if u + n <= row_len), None)
             if r is None and len(rows) < rows_per_step:
@@ -480,7 +406,7 @@ def plan_epoch(
             rows[r].append(i)
             used[r] += n
         steps.append(rows)
-        queue = waiting + queue[k:]
+        head = waiting + head[h:]
     return steps
 
 
@@ -511,7 +437,7 @@ def build_step(samples: Sequence[Sample], rows: Sequence[Sequence[int]], row_len
     """Lay the documents of one step out in [len(rows), row_len] tensors.
 
     Args:
-        samples: all samples; rows hold indices into it.
+        samples: all samples (a list, or a trainer.store.TokenStore); rows hold indices into it.
         rows: the step's rows (from `plan_epoch`).
         row_len: tokens per row.
         pad_id: token id on padding (never supervised: loss_mask 0, doc_ids -1).

@@ -19,6 +19,20 @@ rank knows in advance (fixed shapes: packed rows x row length), so no size is ev
 Messages between one pair of ranks arrive in the order they were posted, and both sides walk the same
 deterministic schedule (trainer.layout.Schedule), so a receive never waits for a batch that will not come.
 
+The store protocol (across nodes, whose run directories and datasets roots are not one): rank 0 builds the
+token store (trainer.store) and sends its files to the first rank of every other node, point-to-point, tag 8:
+
+    size     [1] int64        bytes of the manifest's JSON                                  rank 0 -> r
+    manifest [size] uint8     the manifest (every file's size and sha256)                   rank 0 -> r
+    want     [1] int64        1: send the files; 0: a store of that key is already there    r -> rank 0
+    blocks   [<= 16 MiB] uint8   each array file in turn, cut into blocks (sizes follow from the manifest)
+
+The receiver writes them into a temporary directory, checks every sha256 against the manifest and renames it
+into place (trainer.store.receive_store), then writes its run's pointer, which the node's other ranks wait for.
+Sending the files, not building on every node: the other nodes need neither the input files nor the regenerated
+data nor CPU time for tokenising, and there is one store, hash-checked, whatever they have on disk. Nothing
+is pickled: each rank maps the files.
+
 Every call that waits on a peer runs inside `talking_to(...)`: a failure there is re-raised as
 PeerLostError, which the launcher's root-cause ranking reads as "a consequence of another rank's failure".
 """
@@ -31,9 +45,14 @@ from dataclasses import astuple, dataclass
 from datetime import timedelta
 from typing import Iterator, Mapping
 
+import json
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer import store as token_store
 from trainer.layout import Layout
 from trainer.objective import PackedBatch
 
@@ -86,6 +105,12 @@ class RankEnv:
 
 FINISH_TAG = 7
 """The point-to-point tag of World.finish (the feature messages use 0-2)."""
+
+STORE_TAG = 8
+"""The point-to-point tag of the store protocol (World.share_store)."""
+
+STORE_BLOCK = 16 << 20
+"""Bytes per block of a store file on the wire (one buffer of this size on each side)."""
 
 NODE_ENV = "DFLASH_NODE"
 """The node's index in the layout, set by trainer.launch for its ranks."""
@@ -202,18 +227,82 @@ class World:
         with talking_to("waiting for rank 0 to end the run", 0):
             dist.recv(token, src=0, tag=FINISH_TAG)
 
-    def sample_share(self):
-        """What load_assets shares the training samples with (None: one node, they travel as a file)."""
-        return self.share_samples if self.layout.num_nodes > 1 else None
+    def store_share(self):
+        """What load_assets shares the token store with (None: one node, whose ranks share the run directory)."""
+        return self.share_store if self.layout.num_nodes > 1 else None
 
-    def share_samples(self, samples: list | None) -> list:
-        """Rank 0 (the first target rank, which builds the samples) broadcasts them to every rank: across nodes
-        the run directories are not one, so the file the ranks of one host wait for never appears there.
-        Every rank calls this; it waits up to layout.timeout_s for rank 0 to build them."""
-        box = [samples if self.rank == 0 else None]
-        with talking_to("receiving the training samples from rank 0", None if self.rank == 0 else 0):
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
+    def share_store(self, store: "token_store.TokenStore | None", run_dir: Path) -> "token_store.TokenStore":
+        """Every rank calls this; rank 0 (the data builder) with its store, the others with None; each gets
+        the store it trains on. Rank 0 sends the store to the first rank of every other node (the store
+        protocol above), which writes it under its datasets root and points its run at it; every other rank
+        waits for its run's pointer, as on one node. Waits up to layout.timeout_s on rank 0's build."""
+        builder_node = self.layout.place(0).node
+        if self.rank == 0:
+            if store is None:
+                raise DistributedError("rank 0 builds the token store: it must pass it to share_store")
+            for node in range(self.layout.num_nodes):
+                if node != builder_node:
+                    send_store(store, self.layout.rank_of(node, 0))
+            return store
+        if self.env.node != builder_node and self.rank == self.layout.rank_of(self.env.node, 0):
+            got = receive_store(token_store.datasets_root(run_dir), 0)
+            token_store.write_pointer(run_dir, got)
+            return got
+        return token_store.wait_for_store(run_dir)
+
+
+def send_store(store: "token_store.TokenStore", dst: int) -> None:
+    """Rank 0's side of the store protocol: the manifest, then (if `dst` asks) every array file in blocks."""
+    raw = np.frombuffer(json.dumps(store.manifest).encode(), dtype=np.uint8).copy()
+    what = f"sending the token store to rank {dst}"
+    with talking_to(what, dst):
+        dist.send(torch.tensor([raw.size], dtype=torch.long), dst=dst, tag=STORE_TAG)
+        dist.send(torch.from_numpy(raw), dst=dst, tag=STORE_TAG)
+        want = torch.zeros(1, dtype=torch.long)
+        dist.recv(want, src=dst, tag=STORE_TAG)
+    if not int(want.item()):
+        return
+    buf = np.empty(STORE_BLOCK, dtype=np.uint8)
+    wire = torch.from_numpy(buf)
+    for name in token_store.ARRAYS:
+        size = store.manifest["files"][name]["bytes"]
+        for block in token_store.read_file_blocks(store.path / name, size, STORE_BLOCK):  # a short file: StoreError
+            buf[: len(block)] = np.frombuffer(block, dtype=np.uint8)
+            with talking_to(what, dst):
+                dist.send(wire[: len(block)], dst=dst, tag=STORE_TAG)
+
+
+def receive_store(root: Path, src: int) -> "token_store.TokenStore":
+    """The receiving side: the manifest; the store of its key if this node has it (sizes checked), else
+    every file, sha256-checked, written under `root`."""
+    what = f"receiving the token store from rank {src}"
+    with talking_to(what, src):
+        size = torch.zeros(1, dtype=torch.long)
+        dist.recv(size, src=src, tag=STORE_TAG)
+        raw = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(raw, src=src, tag=STORE_TAG)
+    manifest = json.loads(raw.numpy().tobytes())
+    try:
+        have = token_store.open_store(token_store.store_dir(root, manifest["key"]), manifest["key"])
+    except token_store.StoreError:
+        have = None  # absent, or broken: replaced by the sender's copy
+    with talking_to(what, src):
+        dist.send(torch.tensor([0 if have else 1], dtype=torch.long), dst=src, tag=STORE_TAG)
+    if have is not None:
+        return have
+    buf = np.empty(STORE_BLOCK, dtype=np.uint8)
+    wire = torch.from_numpy(buf)
+
+    def read(name: str, nbytes: int):
+        left = nbytes
+        while left > 0:
+            n = min(STORE_BLOCK, left)
+            with talking_to(what, src):
+                dist.recv(wire[:n], src=src, tag=STORE_TAG)
+            yield memoryview(buf)[:n]
+            left -= n
+
+    return token_store.receive_store(root, manifest, read)  # a wrong sha256: StoreError, nothing kept
 
 
 def single_world(layout: Layout, device: torch.device | None = None) -> World:

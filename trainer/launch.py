@@ -21,7 +21,8 @@ node's loss: `lost rank R (drafter, node 1 (ct201), ...)`, in root_cause.json's 
 `--resume RUN_DIR` continues RUN_DIR from its newest complete checkpoint (config: --config, else
 RUN_DIR/config.json). Exit codes: 0 done; 2 bad config, layout or data, or nothing to resume (the message
 says what to fix); the root-cause rank's exit code (1 when it was killed by a signal); 128 + N when this
-process was stopped by signal N (the ranks are stopped with it).
+process was stopped by signal N (the ranks are stopped with it). A rank dies with this process, also when it is
+SIGKILLed (trainer.rank.die_with_launcher).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import TextIO
 from trainer.config import ConfigError, TrainConfig, load_config, parse_endpoint
 from trainer.distributed import NODE_ENV
 from trainer.layout import Layout
+from trainer.rank import LAUNCHER_PID_ENV
 
 SHUTDOWN_TIMEOUT_S = 10
 """Seconds the agent gives the other ranks between SIGTERM and SIGKILL after a failure or a stop."""
@@ -156,7 +158,7 @@ def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from trainer import failures
+    from trainer import failures, faults
 
     def log(msg: str) -> None:
         out.write(f"[launch] {msg}\n")
@@ -166,7 +168,10 @@ def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: 
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / failures.ROOT_CAUSE_FILE).unlink(missing_ok=True)  # a cause of an earlier attempt is not this one's
+    cgroup = faults.memory_cgroup()  # its OOM-kill count now: more when a rank fails means an OOM kill
+    reserve = faults.reserve_space(run_dir)  # freed when the run ends: room for its last words on a full disk
     os.environ.update(rank_environment(layout, dict(os.environ), node.index))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (trainer.rank)
     mine = layout.node_ranks(node.index)
     where = f" on node {node.index} of {node.count} (rendezvous {node.rdzv_endpoint})" if node.count > 1 else ""
     log(f"{len(mine)} of {layout.world_size} rank(s){where}, max_restarts {cfg.max_restarts}, "
@@ -181,16 +186,50 @@ def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: 
     except ChildFailedError as err:
         found = failures.failures_of(err, [(r, layout.role(r)) for r in mine], node.index)
         doc = failures.name_lost_peer(failures.report(found), layout, node.index)
-        path = failures.write_report(run_dir, doc)
-        for line in failures.summary_lines(doc):
+        hidden = name_hidden_cause(doc, cgroup, [run_dir])  # read before the reserve is freed
+        faults.release(reserve)
+        faults.remove_stale_temporaries(run_dir)
+        for line in failures.summary_lines(doc) + hidden:
             log(line)
-        log(f"root cause written to {path}")
+        try:
+            path = failures.write_report(run_dir, doc)
+        except OSError as exc:
+            log(f"cannot write {run_dir / failures.ROOT_CAUSE_FILE}: {exc.strerror}")
+        else:
+            log(f"root cause written to {path}")
         return failures.root_cause(found).launcher_exit_code
     except SignalException as exc:
         log(f"stopped by {exc.sigval.name}: every rank was stopped")
         return 128 + int(exc.sigval)
+    finally:
+        faults.release(reserve)
+    faults.remove_stale_temporaries(run_dir)
     log("all ranks finished")
     return 0
+
+
+def name_hidden_cause(doc: dict, cgroup, paths: list[Path]) -> list[str]:
+    """Add to a failure report (in place) what the failed rank could not say itself, and return the lines that
+    say it: an OOM kill by the container's memory limit (trainer.faults.oom_since: `oom`), a full file system
+    (`disk_full`)."""
+    from trainer import faults
+
+    lines = []
+    oom = faults.oom_since(cgroup)
+    if oom is not None:
+        doc["oom"] = oom
+        limit = "no memory limit" if oom["limit_mib"] is None else f"memory limit {oom['limit_mib']} MiB"
+        fix = faults.raise_memory_fix(oom["limit_bytes"])
+        doc["oom"]["fix"] = fix
+        lines.append(f"killed by the container's OOM killer: {oom['kills']} process(es) of this run at its {limit} "
+                     f"({oom['counter']}); raise the limit {fix}")
+    full = faults.full_filesystem(paths)
+    if full is not None:
+        doc["disk_full"] = full
+        lines.append(f"No space left on device: the file system of {full['path']} is full ({full['free_bytes']} of "
+                     f"{full['total_bytes']} bytes free); free space there (`df -h {full['path']}`), then resume "
+                     "from the last complete checkpoint")
+    return lines
 
 
 def resolve_config(config: str | None, resume: str | None, node: int = 0) -> tuple[TrainConfig, Path]:

@@ -42,8 +42,9 @@ from trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng
 from trainer.config import OptimConfig, TrainConfig
 from trainer.data import DataError, build_step, plan_epoch, target_features
 from trainer.distributed import BatchReport, FeatureSpec, PendingBatch, World, send_batch, talking_to, wait_sent
+from trainer.export_check import ExportMismatch, check_export, compare_export
 from trainer.layout import Schedule
-from trainer.metrics import MetricsWriter, memory_stats, rewind_metrics
+from trainer.metrics import MetricsWriter, memory_stats, rewind_metrics, run_facts
 from trainer.objective import PackedBatch, dflash_loss
 from trainer.precision import Precision, resolve_precision
 from trainer.setup import Assets, TrainError, load_assets, load_target, seed_everything, write_json
@@ -217,9 +218,9 @@ class RemoteFeatures:
 def serve_features(cfg: TrainConfig, world: World, log: Log) -> None:
     """A target rank: compute and send the features of its batches, step by step, `prefetch` ahead."""
     assets = load_assets(cfg, world.device, builds_data=world.rank == 0, wants_eval=False, log=log,
-                         share=world.sample_share())
+                         share=world.store_share())
     schedule = Schedule(world.layout, cfg.batches_per_step)
-    plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
+    plan = make_plan(cfg, assets.samples.lengths, schedule.per_step)
     spec = feature_spec(cfg, assets, world.device)
     step = world.agree_step(0)
     per_step = max(1, -(-schedule.per_step // world.layout.num_targets))
@@ -293,6 +294,22 @@ def build_drafter(cfg: TrainConfig, assets: Assets, world: World, log: Log) -> D
             ids = [0] if world.device.type == "cuda" else None
             ddp = DDP(module, device_ids=ids, process_group=world.drafters)
     return Drafter(module, _ModelView(ddp or module, module), opt, ddp, compiled, precision)
+
+
+def check_servable_export(cfg: TrainConfig, assets: Assets, drafter: Drafter, world: World, log: Log) -> None:
+    """Before step 1: can vLLM serve this target with this drafter on this device? A refusal when the run is
+    to be judged in vLLM (evaluation.engine: vllm), one log line otherwise."""
+    from trainer.export import draft_config_dict
+    from trainer.export_check import servability
+
+    reasons = servability(assets.target, draft_config_dict(drafter.module, assets.target), world.device.type)
+    if not reasons:
+        return
+    text = f"vLLM on {world.device.type} cannot serve this target: " + "; ".join(reasons)
+    if cfg.evaluation.engine == "vllm":
+        raise TrainError(f"{text}. evaluation.engine is vllm: train against a target vLLM serves, or set "
+                         "evaluation.engine: own")
+    log(f"[export-check] note: {text}")
 
 
 def save_checkpoint(ckpts: CheckpointManager, drafter: Drafter, step: int, per_step: int, log: Log) -> None:
@@ -511,6 +528,8 @@ def train_steps(run: _Run, step: int) -> int:
             stats, t_mark = stats.fresh(), time.perf_counter()
         if world.is_main and step % cfg.save_every == 0 and step < plan.steps:
             save_checkpoint(run.ckpts, run.drafter, step, plan.per_step, run.log)
+            if cfg.evaluation.export_check:
+                check_export(run.drafter.module, run.assets.target, cfg.output_dir, step, log=run.log)
         if world.is_main and cfg.eval_every and step % cfg.eval_every == 0 and step < plan.steps:
             run.evaluation.run(run.drafter.module, step, "during")
     run.recompiles = watch.recompiles
@@ -528,6 +547,11 @@ def _finish(run: _Run, step: int) -> TrainResult:
     save_checkpoint(run.ckpts, run.drafter, step, run.plan.per_step, run.log)
     export_drafter(run.drafter.module, run.assets.target, export_dir)
     run.log(f"[export] {export_dir}")
+    if run.cfg.evaluation.export_check:
+        problems = compare_export(run.drafter.module, run.assets.target, export_dir)
+        if problems:
+            raise ExportMismatch(f"the final export {export_dir}, loaded as engines load it, is not the trained "
+                                 f"drafter: {'; '.join(problems[:8])}")
     after = run.evaluation.run(run.drafter.module, step, "after", export_dir)
     tau_after = after.tau if after else None
     tau_before = run.evaluation.tau_before()
@@ -552,9 +576,9 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
         write_json(out / "config.resolved.json", cfg.model_dump(mode="json"))
     # A drafter rank of a split layout computes no features: the target's embedding, head and norm suffice.
     assets = load_assets(cfg, world.device, builds_data=layout.colocated, wants_eval=world.is_main, log=log,
-                         whole_target=layout.colocated, share=world.sample_share())
+                         whole_target=layout.colocated, share=world.store_share())
     schedule = Schedule(layout, cfg.batches_per_step)
-    plan = make_plan(cfg, [len(x) for x in assets.samples], schedule.per_step)
+    plan = make_plan(cfg, assets.samples.lengths, schedule.per_step)
     drafter = build_drafter(cfg, assets, world, log)
     step, resumed = resume(cfg, world, drafter, schedule.per_step, log)
     if layout.colocated:
@@ -567,6 +591,10 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
         f"{schedule.per_step} batch(es) of {cfg.rows_per_step} rows x {cfg.row_len} ({schedule.per_drafter} on this rank)")
     if world.is_main:
         run.metrics = MetricsWriter(out / "metrics.jsonl")
+        run.metrics.write(run_facts(cfg, assets.target, drafter.module, assets.mask_token_id))
+        check_servable_export(cfg, assets, drafter, world, log)
+        if cfg.evaluation.export_check:
+            check_export(drafter.module, assets.target, out, step, log=log)
         run.evaluation = Evaluation(cfg, assets, run.metrics, log)
         run.ckpts = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
         if not resumed or not (out / "eval_before.json").exists():

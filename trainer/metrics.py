@@ -228,6 +228,31 @@ def format_human(record: dict[str, Any]) -> str:
     return f"[{kind}] " + " | ".join(parts)
 
 
+def run_facts(cfg, target, drafter, mask_token_id: int) -> dict[str, Any]:
+    """The `facts` record written once at the start of training: what a train/serve mismatch is made of.
+
+    The follower's silent-failure alert (orchestrator.monitor.SilentFailure) quotes these values when real τ
+    stays near 1 while the accuracy rises. Every value is what this run trains with: the target's feature
+    layers and depth, the MASK id, both RoPE bases, the chat-template arguments of the training data and of
+    the held-out prompts the run evaluates on.
+    """
+    dcfg = getattr(drafter, "cfg", None)
+    layout = cfg.layout.to_layout()
+    split = not layout.colocated
+    return _clean({
+        "kind": "facts",
+        "target_ranks": layout.num_targets if split else 0,  # 0: colocated, one process does both sides
+        "drafter_ranks": layout.num_drafters if split else 0,
+        "target_layer_ids": list(getattr(dcfg, "target_layer_ids", None) or getattr(target, "layer_ids", [])),
+        "num_target_layers": getattr(target, "num_layers", None),
+        "mask_token_id": int(mask_token_id),
+        "rope_theta_target": getattr(target, "rope_theta", None),
+        "rope_theta_drafter": getattr(dcfg, "rope_theta", None),
+        "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),
+        "eval_chat_template_kwargs": dict(cfg.data.chat_template_kwargs),  # held-out prompts use the data's
+    })
+
+
 def memory_stats() -> dict[str, float]:
     """Current and peak resident memory of this process in MiB (and CUDA peak when on a GPU).
 

@@ -9,6 +9,8 @@ root cause from. `RankErrorHandler` adds what the launcher needs to rank failure
 (torch's own timestamp has whole seconds, too coarse to order a failure and the failures it caused), the
 exception's qualified type, and whether it is a PeerLostError (the rank failed because a peer did).
 
+A rank dies with its launcher (die_with_launcher: the kernel's parent-death signal).
+
 Exit codes: 0 done; 2 bad config, layout or data (the message says what to fix); 1 anything else. After a
 failure the process ends with os._exit: interpreter teardown can block on a dead peer's sockets.
 """
@@ -82,7 +84,46 @@ def _run(config: str) -> None:
     world.finish()
 
 
+LAUNCHER_PID_ENV = "DFLASH_LAUNCHER_PID"
+"""The pid of the elastic agent (trainer.launch) that starts the ranks: a rank dies with it."""
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when its launcher dies (prctl PR_SET_PDEATHSIG), then check that the
+    launcher is still the parent: one that died before the prctl call would never send the signal.
+
+    torch starts each rank in a session of its own (start_new_session), so a signal to the launcher's process
+    group never reaches the ranks; without this a SIGKILLed launcher (an OOM kill, `kill -9`) leaves its ranks
+    training into a run dflashctl calls failed, on GPUs it calls free. The signal is SIGKILL: the launcher
+    that would have stopped the rank gracefully is gone, and every file the rank writes is written whole
+    (temporary name, rename), so nothing half-written is left. Checkpoints already saved stay.
+
+    The death signal fires when the THREAD that forked the rank ends; torch's agent forks from its main
+    thread, which lives as long as the launcher. Outside Linux, or without a launcher (the rank started by
+    hand), nothing is done.
+    """
+    expected = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not expected.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        print(f"warning: rank {os.environ.get('RANK', '?')}: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(err)}): "
+              "this rank will not die with its launcher", file=sys.stderr, flush=True)
+        return
+    if os.getppid() != int(expected):
+        print(f"error: rank {os.environ.get('RANK', '?')}: its launcher (pid {expected}) is gone; ending",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     p = argparse.ArgumentParser(prog="python -m trainer.rank", description="One rank of a run (see trainer.launch).")
     p.add_argument("--config", required=True, help="TrainConfig as JSON or YAML")
     args = p.parse_args(argv)

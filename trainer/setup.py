@@ -3,12 +3,15 @@
     target / colocated rank   the whole frozen target (it computes features)
     drafter rank              only the target's config, embedding, LM head and final norm
                               (trainer.features.TargetHead, read selectively from the safetensors files)
-    the data builder          (the first target rank, or the colocated rank) reads, regenerates and
-                              tokenises the conversations into <run>/data/samples.jsonl; every other rank
-                              waits for that file and reads it, so all ranks see the very same samples
+    the data builder          (the first target rank, or the colocated rank) reads and regenerates the
+                              conversations and opens their token store (trainer.store), building it first
+                              if no run of the target built it yet, then points the run at it
+                              (<run>/data/store.json); every other rank waits for that pointer and maps the
+                              same store, so all ranks see the very same samples; across nodes the store's
+                              files are sent to each node (World.share_store)
     the main drafter rank     also the held-out prompts for τ
 
-A resumed run finds samples.jsonl in place and never regenerates.
+A resumed run finds its pointer in place, opens the same store and never regenerates.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -25,13 +27,11 @@ import numpy as np
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data import (
-    DataError, Sample, SkipReport, load_samples, read_conversations, read_prompts, regenerate, save_samples, tokenize,
+from trainer.data import DataError, SkipReport, read_conversations, read_prompts
+from trainer.regenerate import regenerated_files
+from trainer.store import (
+    POINTER, TokenStore, build_store, datasets_root, open_store, read_pointer, wait_for_store, write_pointer,
 )
-
-SAMPLES = Path("data") / "samples.jsonl"
-"""Where the tokenised samples of a run live, relative to the run directory."""
-
 
 class TrainError(RuntimeError):
     """Training cannot start or continue; the message says what to change."""
@@ -132,8 +132,10 @@ def load_target(cfg: TrainConfig, target_dir: Path, device: torch.device, whole:
     )
 
 
-def build_samples(cfg: TrainConfig, src: Sources, target, tokenizer, out: Path, log: Callable[[str], None]) -> list[Sample]:
-    """Read, regenerate (if asked) and tokenise the training conversations into <out>/data/samples.jsonl.
+def build_samples(cfg: TrainConfig, src: Sources, target, tokenizer, out: Path, log: Callable[[str], None]) -> TokenStore:
+    """Read and regenerate (if asked) the training conversations, open (or build) their token store under the
+    datasets root, write <out>/data/skipped.json and point the run at the store (<out>/data/store.json, last:
+    its appearance tells the other ranks the data is ready).
 
     Raises:
         DataError: a missing data file, or no usable sample.
@@ -143,25 +145,19 @@ def build_samples(cfg: TrainConfig, src: Sources, target, tokenizer, out: Path, 
             raise DataError(f"{f}: no such data file (check data.train_files in the config)")
     data, kw = cfg.data, dict(cfg.data.chat_template_kwargs)
     report = SkipReport()
-    convs = read_conversations(src.train_files, report)
+    files = list(src.train_files)
+    (out / "data").mkdir(parents=True, exist_ok=True)
     if src.regenerate:
-        log(f"data: regenerating {len(convs)} conversations with the target (greedy, {data.regenerate_max_new_tokens} tokens max)")
-        convs = regenerate(target, tokenizer, convs, data.regenerate_max_new_tokens, chat_template_kwargs=kw)
-    samples = tokenize(convs, tokenizer, data.max_len, report, min_supervised=2, chat_template_kwargs=kw)
-    if not samples:
-        raise DataError(f"no usable training samples in {src.train_files}: {report.summary()}")
-    cache = out / SAMPLES
-    cache.parent.mkdir(parents=True, exist_ok=True)
+        files = [str(f) for f in regenerated_files(cfg, src.target_dir, src.train_files, datasets_root(out), report,
+                                                   target=target, tokenizer=tokenizer, run_dir=out, log=log)]
+    store, _ = build_store(files, tokenizer, datasets_root(out), max_len=data.max_len,
+                           min_supervised=2, chat_template_kwargs=kw, log=log)
+    report.merge(SkipReport.from_dict(store.skipped))
     write_json(out / "data" / "skipped.json", report.to_dict())
-    save_samples(samples, cache)  # last: its appearance tells the other ranks the data is ready
-    log(f"data: {len(samples)} samples from {len(src.train_files)} file(s); {report.summary()}")
-    return samples
-
-
-def wait_for_samples(out: Path, poll_s: float = 0.2) -> None:
-    """Block until the data builder has written the samples (if it dies, the launcher ends this rank)."""
-    while not (out / SAMPLES).exists():
-        time.sleep(poll_s)
+    write_pointer(out, store)
+    log(f"data: {len(store)} samples, {store.num_tokens} tokens from {len(src.train_files)} file(s) in {store.path}; "
+        f"{report.summary()}")
+    return store
 
 
 @dataclass
@@ -171,7 +167,8 @@ class Assets:
     Attributes:
         target: the frozen target: TargetModel (whole) or TargetHead (a drafter rank's parts).
         tokenizer: the target's tokenizer.
-        samples: every training sample, in the file's order (all ranks agree).
+        samples: every training sample, in the files' order (all ranks agree): the run's token store, memory
+            mapped (indexing gives a Sample; `.lengths` is what plan_epoch packs).
         mask_token_id, pad_id, stop_ids: token ids the loop and evaluation need.
         eval_prompts: held-out prompts (main drafter rank only; else empty).
         target_dir: the target's HF directory.
@@ -179,7 +176,7 @@ class Assets:
 
     target: Any
     tokenizer: Any
-    samples: list[Sample]
+    samples: TokenStore
     mask_token_id: int
     pad_id: int
     stop_ids: list[int]
@@ -195,16 +192,17 @@ def load_assets(
     wants_eval: bool,
     log: Callable[[str], None],
     whole_target: bool = True,
-    share: Callable[[list[Sample] | None], list[Sample]] | None = None,
+    share: Callable[[TokenStore | None, Path], TokenStore] | None = None,
 ) -> Assets:
     """Load what a rank needs (see the module docstring).
 
     Args:
-        builds_data: this rank writes the samples (the others wait for them first).
+        builds_data: this rank opens or builds the token store (the others wait for the run's pointer first).
         wants_eval: load the held-out prompts (the rank that measures τ).
         whole_target: the whole target (it computes features), else only the parts a drafter uses.
-        share: a layout across nodes (whose run directories are not shared): every rank calls it, the builder
-            with its samples, the others with None, and gets the builder's samples back (World.share_samples).
+        share: a layout across nodes (whose run directories are not shared): every rank calls it with the run
+            directory, the builder with its store, the others with None, and gets the store it trains on back
+            (World.share_store: the files are sent to each other node, hash-checked).
 
     Raises:
         TrainError, DataError: the target or the data cannot be used (the message says what to fix).
@@ -212,11 +210,11 @@ def load_assets(
     from transformers import AutoTokenizer
 
     out = Path(cfg.output_dir)
-    received = None
+    samples = None
     if not builds_data and share is None:
-        wait_for_samples(out)
+        samples = wait_for_store(out)
     elif not builds_data:
-        received = share(None)  # first, as the file wait above: the builder has made the target by then
+        samples = share(None, out)  # first, as the wait above: the builder has made the target by then
     seed_everything(cfg.seed)
     src = resolve_sources(cfg, log)
     tokenizer = AutoTokenizer.from_pretrained(str(src.target_dir))
@@ -225,21 +223,16 @@ def load_assets(
     target = load_target(cfg, src.target_dir, device, whole_target)
     what = "" if whole_target else ": embedding, LM head and final norm only"
     log(f"target: {src.target_dir} ({target.num_layers} layers, H {target.hidden_size}, features from {target.layer_ids}){what}")
-    if received is not None:
-        samples = received
-        log(f"data: {len(samples)} samples from the rank that built them")
-        if not (out / SAMPLES).exists():
-            (out / SAMPLES).parent.mkdir(parents=True, exist_ok=True)
-            save_samples(samples, out / SAMPLES)  # this node's copy, for a resume
-    elif (out / SAMPLES).exists():
-        # A resumed run (or a rank that waited) sees the very same samples: regeneration is expensive.
-        samples = load_samples(out / SAMPLES)
-        if builds_data:
-            log(f"data: {len(samples)} samples from {out / SAMPLES}")
+    if samples is not None:
+        log(f"data: {len(samples)} samples, {samples.num_tokens} tokens, mapped from {samples.path}")
+    elif (ptr := read_pointer(out)) is not None and Path(ptr["path"]).is_dir():
+        # A resumed run sees the very same samples: regeneration is expensive.
+        samples = open_store(ptr["path"], ptr["key"])
+        log(f"data: {len(samples)} samples from {samples.path} (named by {out / POINTER})")
     else:
         samples = build_samples(cfg, src, target, tokenizer, out, log)
     if share is not None and builds_data:
-        share(samples)
+        share(samples, out)
     prompts: list[list[int]] = []
     if wants_eval:
         report = SkipReport()

@@ -206,7 +206,8 @@ def build_tiny(
 
 def _build_tiny(cfg: TinyTargetConfig, root: Path, final: Path, log: Callable[[str], None]) -> None:
     """Build the tiny assets into a temporary directory, then rename it to `final` (build_tiny holds the lock)."""
-    from trainer.data import Conversation, regenerate
+    from trainer.data import Conversation
+    from trainer.engines import regenerate
 
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

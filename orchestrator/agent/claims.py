@@ -73,7 +73,8 @@ def claim_alive(workdir: str | Path, claim: dict) -> bool:
     """Whether a claim still holds its GPU.
 
     phase "launch": the launching process exists and started when the claim says (a reused pid does not
-    count). phase "run": the run has no exit.json and run_alive does not know it gone.
+    count). phase "run": a process of the run lives (orchestrator.agent.runs.live_processes), whatever
+    exit.json says; else the run has no exit.json and run_alive does not know it gone.
     """
     if claim.get("phase") == "launch":
         pid = claim.get("pid")
@@ -88,6 +89,10 @@ def claim_alive(workdir: str | Path, claim: dict) -> bool:
     if not path.is_dir():
         return False
     ref = runs.load_ref(path)
+    if runs.live_processes(ref):
+        return True  # exit.json or not: a rank that outlived its launcher still holds its GPU
+    # Unknown liveness (no tmux to ask, no pid file yet) keeps the GPU: freeing a GPU a trainer still uses
+    # puts two runs on it.
     return runs.read_exit(ref) is None and runs.run_alive(ref) is not False
 
 

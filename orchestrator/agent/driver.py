@@ -30,6 +30,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
+from orchestrator.agent.venvfingerprint import current_fingerprint, profile_kind
+
 # NVIDIA's minimum Linux driver per CUDA major for minor-version compatibility (CUDA compatibility guide,
 # and the toolkit release notes): any 12.x build runs on >= 525.60.13, any 13.x build on >= 580.
 MINOR_COMPAT: dict[int, tuple[int, ...]] = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580,)}
@@ -336,9 +338,7 @@ def installed_torch_cuda() -> str | None:
 def venv_torch(workdir: str, profile) -> dict:
     """{torch, cuda, venv, error} of the venv a launch in `workdir` uses: its fingerprint (a uv profile),
     or the running interpreter's torch (the workstation profile; read from its files, not imported)."""
-    from orchestrator.agent import venvinfo
-
-    if venvinfo.profile_kind(profile) == "workstation":
+    if profile_kind(profile) == "workstation":
         from importlib import metadata  # here only: a uv venv's fingerprint says it (and the import costs)
 
         try:
@@ -347,16 +347,14 @@ def venv_torch(workdir: str, profile) -> dict:
             torch_version = None
         return {"torch": torch_version, "cuda": installed_torch_cuda() if torch_version else None, "venv": None,
                 "error": None}
-    fp = venvinfo.current_fingerprint(workdir, profile)
+    fp = current_fingerprint(workdir, profile)
     return {"torch": fp.get("torch"), "cuda": fp.get("cuda"), "venv": fp.get("venv"), "error": fp.get("error")}
 
 
 def profile_lock(profile: dict | None) -> str | None:
     """The lock a venv profile (a dict, as requests carry it) builds from, for the fixes: None for the
     workstation profile (the running interpreter's torch), else its `lock` (the uv default `cuda`)."""
-    from orchestrator.agent import venvinfo
-
-    if venvinfo.profile_kind(profile) == "workstation":
+    if profile_kind(profile) == "workstation":
         return None
     return (profile or {}).get("lock") or "cuda"
 

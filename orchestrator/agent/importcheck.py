@@ -33,7 +33,8 @@ _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
 def normalize_name(name: str) -> str:
-    from orchestrator.agent.venvinfo import normalize_name as rule  # the one rule; imported late (a worker is stdlib-only)
+    # The one rule, imported late: a worker runs this file as a script, without the bundle on its path.
+    from orchestrator.agent.venvfingerprint import normalize_name as rule
 
     return rule(name)
 

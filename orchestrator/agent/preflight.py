@@ -17,7 +17,7 @@ from pathlib import Path
 
 # driver and venvinfo too, though only a run on GPUs and a venv check use them: the agent imports its verb
 # before it reads the request, so their import is not on a launch's path once the request is there.
-from orchestrator.agent import claims, driver, gpu, resume, runs, tmuxctl, venvinfo
+from orchestrator.agent import claims, driver, gpu, resume, runprocs, runs, tmuxctl, venvinfo
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import LaunchAnswer, LaunchRequest
 from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, build_command, run_config
@@ -41,6 +41,126 @@ def check_session(name: str, experiment: str, replace: bool) -> dict | None:
             data={"session": name, "run_id": rid},
         )
     return s
+
+
+def check_run_processes(workdir: str, experiment: str, replacing: str | None) -> None:
+    """No process of an earlier run of this experiment may live (a rank that outlived its launcher, a child
+    that left its group): it would share the GPUs and the data with the new run. The run --replace stops is
+    exempt (its stop ends every process of it).
+
+    Raises:
+        AgentFailure("RunProcessesAlive"): naming the run and each process (pid, command line).
+    """
+    marked = runprocs.marked_processes()
+    for ref in runs.run_refs(workdir):
+        if ref.experiment != experiment or ref.run_id == replacing:
+            continue
+        if runprocs.of_run(marked, ref.path) or (runs.read_pid(ref.path) is not None and runs.command_alive(ref)):
+            runs.check_no_processes(ref, f"cannot launch {experiment}",
+                                    fix=f"dflashctl stop {ref.run_id}   (ends every process of it), then launch again")
+
+
+LIBRARIES_BYTES = 150 << 20
+"""torch's and transformers' shared libraries and modules, mapped by every trainer process but counted once by
+the container's memory cgroup (file pages)."""
+PROCESS_BASE_BYTES = 270 << 20
+"""A rank's own memory before its model: interpreter heap, imported modules, tokenizer, data readers."""
+GPU_PROCESS_EXTRA_BYTES = 1 << 30
+"""What a CUDA context and its libraries add to a process's host memory (cuBLAS, cuDNN, NCCL mapped in)."""
+LAUNCHER_BYTES = 90 << 20
+"""The elastic agent's own memory (trainer.launch: torch imported, no model)."""
+
+
+def _dims(config: dict, workdir: str) -> dict | None:
+    """The target's vocab_size, hidden_size, intermediate_size, num_hidden_layers: the tiny target's from the
+    config, else the target directory's config.json; None when neither can be read."""
+    model = config.get("model") or {}
+    if model.get("target", "tiny") == "tiny":
+        dims = model.get("tiny_target") or {}
+    else:
+        dims = runs.read_json(Path(str(model.get("target"))) / "config.json") or {}
+        dims = dims.get("text_config") or dims
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    if not all(isinstance(dims.get(k), int) for k in keys):
+        return None
+    return {k: int(dims[k]) for k in keys}
+
+
+def estimate_memory_need(config: dict, dims: dict) -> dict:
+    """The host memory (RAM of the container) a dflash run needs at its peak, in bytes, with its parts.
+
+    With h = hidden_size, I = intermediate_size, L = the target's layers, V = vocab_size, n = drafter layers:
+      - a decoder layer has ~4h^2 (attention) + 3hI (gated MLP) parameters; embeddings and lm_head V*h each;
+        target parameters P_t = L(4h^2 + 3hI) + 2Vh; drafter parameters P_d = n(4h^2 + 3hI) + k*h*h (the
+        projection of k = num_target_features target layers);
+      - the libraries once (LIBRARIES_BYTES: shared file pages, one copy for all processes), every rank its
+        own PROCESS_BASE_BYTES, plus GPU_PROCESS_EXTRA_BYTES on a GPU, and the launcher LAUNCHER_BYTES;
+      - on the CPU (no GPUs in the layout) the model lives in host memory: each target process P_t x 4 bytes
+        (fp32); each drafter process P_d x 16 bytes (fp32 weights, gradients and AdamW's two moments) plus its
+        copy of the target's embeddings and lm_head 2Vh x 4 bytes; activations per process: token_budget x
+        (h x (n + k) x 16 floats + V x 3 floats (logits, softmax, their gradient)) x 4 bytes;
+      - on GPUs the weights, optimizer state and activations live in GPU memory; the target's weights pass
+        through host memory once while they load (safetensors mapped: page cache), P_t x 2 bytes (bf16).
+      - the colocated layout is one process holding both the target and the drafter.
+    Checked against the tiny run (bench/memory_need.py): the 1 target + 2 drafter CPU layout of tests/trainer
+    peaks at 1042 MiB in its memory cgroup (max_usage_in_bytes; the processes' peak RSS: launcher 231 MiB,
+    ranks 407-434 MiB, 1486 MiB summed, the libraries counted 4 times); this estimate says 1064 MiB.
+
+    Returns:
+        {"total_bytes", "processes", "parts": {name: bytes}}.
+    """
+    h, inter, layers, vocab = (dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"],
+                               dims["vocab_size"])
+    model = config.get("model") or {}
+    n, k = int(model.get("num_draft_layers") or 5), int(model.get("num_target_features") or 5)
+    layer = 4 * h * h + 3 * h * inter
+    p_target = layers * layer + 2 * vocab * h
+    p_drafter = n * layer + k * h * h
+    lay = config.get("layout") or {}
+    gpus = bool(lay.get("target_gpus") or lay.get("drafter_gpus"))
+    n_target = len(lay.get("target_gpus") or []) or int(lay.get("num_target_procs") or 0)
+    n_drafter = len(lay.get("drafter_gpus") or []) or int(lay.get("num_drafter_procs") or 0)
+    colocated = not (n_target or n_drafter)
+    procs = 1 if colocated else n_target + n_drafter
+    tokens = int((config.get("data") or {}).get("token_budget") or 0)
+    parts = {"libraries": LIBRARIES_BYTES,
+             "processes": procs * (PROCESS_BASE_BYTES + (GPU_PROCESS_EXTRA_BYTES if gpus else 0)),
+             "launcher": LAUNCHER_BYTES}
+    if gpus:
+        parts["target weights loading"] = p_target * 2
+    else:
+        drafter_each = p_drafter * 16 + 2 * vocab * h * 4
+        activations = tokens * (h * (n + k) * 16 + vocab * 3) * 4
+        parts["target weights"] = p_target * 4 * (1 if colocated else n_target)
+        parts["drafter and optimizer"] = drafter_each * (1 if colocated else n_drafter)
+        parts["activations"] = activations * (1 if colocated else n_drafter)
+    return {"total_bytes": sum(parts.values()), "processes": procs, "parts": parts}
+
+
+def check_memory(config: dict | None, workdir: str, emit, cgroup=None) -> dict | None:
+    """Warn (a progress event `memory`, the launch goes on) when the container's memory limit is below the
+    run's estimated need (estimate_memory_need); the message names both and the fix. Returns the estimate,
+    or None when there is nothing to compare (no limit, no readable target config, not a dflash run).
+
+    Args:
+        cgroup: a trainer.faults.MemoryCgroup (default: this process's, read now).
+    """
+    from trainer import faults
+
+    if config is None:
+        return None
+    dims = _dims(config, workdir)
+    cg = cgroup if cgroup is not None else faults.memory_cgroup()
+    if dims is None or cg is None or cg.limit_bytes is None:
+        return None
+    need = estimate_memory_need(config, dims)
+    if cg.limit_bytes < need["total_bytes"]:
+        emit.progress("memory", f"warning: the container's memory limit ({cg.limit_bytes >> 20} MiB) is below "
+                      f"this run's estimated need ({need['total_bytes'] >> 20} MiB for {need['processes']} trainer "
+                      f"process(es)); the kernel's OOM killer may end it. Raise the limit "
+                      + faults.raise_memory_fix(cg.limit_bytes, need["total_bytes"]),
+                      need_bytes=need["total_bytes"], limit_bytes=cg.limit_bytes)
+    return need
 
 
 def check_driver(req: LaunchRequest, gpus: list[int], emit) -> None:
@@ -226,10 +346,11 @@ def plan(req: LaunchRequest, emit) -> LaunchPlan:
 
     Raises:
         AgentFailure: the refusals a launch makes before it changes anything (BadName, BadRunId,
-            SessionExists, ResumeNotFound, ResumeMismatch, NothingToResume, BadRequest, ...).
+            SessionExists, RunProcessesAlive, ResumeNotFound, ResumeMismatch, NothingToResume, BadRequest, ...).
     """
     session = tmuxctl.session_name(runs.check_name("experiment", req.experiment))
     old = check_session(session, req.experiment, req.replace)
+    check_run_processes(req.workdir, req.experiment, old.get("run_id") if old is not None and req.replace else None)
     src = resume_source(req, emit)
     gpus = run_gpus(req, src, emit)
     run_id = runs.free_run_id(req.workdir, runs.check_run_id(req.run_id))
@@ -259,6 +380,7 @@ def checks(p: LaunchPlan, req: LaunchRequest, emit, gpus_free) -> tuple[dict, li
         AgentFailure: DriverTooOld, DriverLibraryMismatch, GpuClaimed, GpuBusy, VenvMismatch.
     """
     check_driver(req, p.gpus, emit)
+    check_memory(p.config, req.workdir, emit)
     seen = gpus_free()
     return check_venv(req, emit), seen
 

@@ -151,6 +151,9 @@ class LaunchRequest(Request):
     """kind command: the argv."""
     env: dict | None = None
     """kind command: extra environment variables."""
+    secret_env: list[str] = field(default_factory=list)
+    """The keys of `env` whose values are secret: kept out of run.json, launch.env0 and the plan
+    (orchestrator.agent.runcommand.SECRET_FILE)."""
     gpus: list[int] = field(default_factory=list)
     """Every GPU the run occupies (checked idle, claimed; CUDA_VISIBLE_DEVICES for kind command)."""
     layout: dict | None = None
@@ -182,6 +185,12 @@ class LaunchRequest(Request):
     """{by: "user@workstation"}: recorded in the stop.json of a run --replace stops."""
     node: dict | None = None
     """A layout across targets: this node's {index, count, targets} (orchestrator.ops.nodes); None: one node."""
+    data_venv_profile: dict | None = None
+    """kind dflash: the venv profile the data stage runs in ({name, kind, lock, ...}); None: the training venv."""
+    data_lock_hash: str | None = None
+    """The lock the data venv must match (a uv profile); None: nothing to compare."""
+    data_only: bool = False
+    """kind dflash: run the data stage alone (regenerate), no training."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -71,7 +71,7 @@ def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str,
 
     Raises:
         AgentFailure: BadRunId; ResumeNotFound (no such run directory); ResumeMismatch (another experiment
-            or kind); NothingToResume (kind dflash without config.json or without a complete checkpoint).
+            or kind); RunProcessesAlive (a process of the run still lives, named); NothingToResume (kind dflash without config.json or without a complete checkpoint).
     """
     runs.check_run_id(run_id)
     run_dir = runs.runs_root(workdir) / run_id
@@ -90,6 +90,10 @@ def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str,
     if info.get("kind") not in (None, kind):
         raise AgentFailure("ResumeMismatch", f"run {run_id} is a kind {info.get('kind')} run; {experiment} is now kind {kind}",
                            fix="launch without --resume", data={"run_id": run_id})
+    # Two trainers must never write one run's checkpoints: a rank of the old run that outlived its launcher
+    # (or a run still going) would keep saving into what is seeded here.
+    runs.check_no_processes(runs.load_ref(run_dir), f"cannot resume run {run_id}",
+                            fix=f"dflashctl stop {run_id}   (then resume it again)")
     src = ResumeSource(run_id, run_dir, kind)
     if kind != "dflash":
         return src

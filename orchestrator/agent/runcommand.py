@@ -14,7 +14,15 @@ from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import LaunchRequest
 
 SCRIPT_NAME = "start_training.sh"
+DATA_VENVS = "data-venvs"
+"""Under the workdir: one directory per data-stage venv profile (`<workdir>/data-venvs/<profile>/venvs/current`),
+beside the trainer's `<workdir>/venvs/current`: vLLM pins its own torch, so the two never share one `current`."""
 ENV_FILE = "launch.env0"
+SECRET_FILE = "launch.secret0"
+"""The secret variables (LaunchRequest.secret_env), NUL-separated KEY=VALUE, mode 0600, apart from ENV_FILE:
+start_training.sh reads it and deletes it before the command starts, so no secret stays on the run's disk.
+(Not tmux's `-e`/set-environment: those put the value on the tmux client's argv, which `ps` shows to every
+user of the container, and keep it in the session's environment for every later pane.)"""
 # Variables of the agent's own environment that must not leak into a run.
 DROP_ENV = ("TMUX", "TMUX_PANE")
 
@@ -51,11 +59,22 @@ def build_command(req: LaunchRequest, gpus: list[int], run_dir: Path, config: di
             argv += ["--resume", str(resume_dir)]
         if req.node:  # a layout across targets: this container is node I of the layout
             argv += ["--node", str(int(req.node["index"]))]
+        cfg = config if config is not None else req.config or {}
+        if req.data_only and not needs_data_stage(cfg):
+            raise AgentFailure("NothingToRegenerate", f"experiment {req.experiment} has no data stage: its config does "
+                               "not regenerate (data.regenerate is false, or no data.train_files: the tiny target's "
+                               "own data comes regenerated)",
+                               fix=f"dflashctl launch {req.experiment}   (without --data-only)")
+        if req.data_only or needs_data_stage(cfg):
+            stage = data_stage_argv(req, run_dir)
+            # The stage first, in the same session and log; training only once it exited 0 (data_then_train).
+            argv = stage if req.data_only else [sys.executable, "-m", "orchestrator.agent.datastage",
+                                               str(len(stage)), *stage, *argv]
         if gpus:
             extra["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the layout's indices are nvidia-smi's
         else:
             extra["CUDA_VISIBLE_DEVICES"] = ""  # the colocated CPU layout sees no GPU
-        cache = ((config if config is not None else req.config or {}).get("compile") or {}).get("cache_dir")
+        cache = (cfg.get("compile") or {}).get("cache_dir")
         if cache:
             extra["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
         return argv, extra
@@ -69,6 +88,36 @@ def build_command(req: LaunchRequest, gpus: list[int], run_dir: Path, config: di
             extra[resume.RESUME_ENV] = str(resume_dir)
         return list(req.command), {**env, **extra}
     raise AgentFailure("BadRequest", f"launch request: unknown experiment kind {req.kind!r} (dflash or command)")
+
+
+def needs_data_stage(config: dict) -> bool:
+    """Whether a dflash run's config regenerates its training data (the data stage runs before training): its
+    data section regenerates and lists the files (the tiny target's own data comes regenerated already)."""
+    data = config.get("data") or {}
+    return bool(data.get("regenerate", True) and data.get("train_files"))
+
+
+def data_venv_workdir(workdir: str, profile_name: str) -> str:
+    """The workdir rebuild-venv builds a data-stage venv profile in (its `venvs/current` is the data venv)."""
+    return str(Path(workdir) / DATA_VENVS / profile_name)
+
+
+def data_python(req: LaunchRequest) -> str:
+    """The interpreter of the data stage: the data venv's (a uv profile), the target's python3 (system), or
+    the training venv's own (no data venv, or the workstation's interpreter)."""
+    profile = req.data_venv_profile or {}
+    kind = profile.get("kind")
+    if kind == "uv":
+        return str(Path(data_venv_workdir(req.workdir, profile["name"])) / "venvs" / "current" / "bin" / "python")
+    if kind == "system":
+        return "python3"
+    return sys.executable
+
+
+def data_stage_argv(req: LaunchRequest, run_dir: Path) -> list[str]:
+    """`<data python> -m trainer regenerate <run>/config.json --run-dir <run>`: the data stage of the run (its
+    datasets root is the target's, <workdir>/datasets, by trainer.store.datasets_root of the run directory)."""
+    return [data_python(req), "-m", "trainer", "regenerate", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
 
 
 def run_environment(base: dict[str, str], extra: dict[str, str], kind: str, gpus: list[int]) -> dict[str, str]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import names
+from orchestrator.agent import runprocs
 from orchestrator.agent.protocol import AgentFailure
 
 # How much of metrics.jsonl's end is read for the last tokens/s (lines are short; this is dozens of them).
@@ -365,6 +366,33 @@ def command_alive(ref: RunRef) -> bool | None:
     return group_alive(pid)
 
 
+def live_processes(ref: RunRef) -> list[runprocs.RunProcess]:
+    """Every live process of the run, exit.json or not: the ones carrying its environment marker
+    (orchestrator.agent.runprocs) and the members of its command's process group (the pid file, unless its
+    leader is a reused pid), by pid."""
+    found = {p.pid: p for p in runprocs.run_processes(ref.path)}
+    pid = read_pid(ref.path)
+    if pid is not None and command_alive(ref):
+        for p in runprocs.group_members(pid):
+            found.setdefault(p.pid, p)
+    return sorted(found.values(), key=lambda p: p.pid)
+
+
+def check_no_processes(ref: RunRef, doing: str, fix: str) -> None:
+    """Refuse `doing` while any process of the run lives, naming them.
+
+    Raises:
+        AgentFailure("RunProcessesAlive"): naming each process (pid, command line) and the way out.
+    """
+    left = live_processes(ref)
+    if left:
+        raise AgentFailure(
+            "RunProcessesAlive",
+            f"{doing}: run {ref.run_id} still has {len(left)} live process(es): {runprocs.describe_all(left)}",
+            fix=fix, data={"run_id": ref.run_id, "pids": [p.pid for p in left]},
+        )
+
+
 def run_session(ref: RunRef, sessions: list[dict]) -> dict | None:
     """The tmux session running THIS run: the one tagged with its run id (`@dflash_run`), else an untagged
     one (started by hand) of the run's session name; a live pane wins over a dead one. None if there is none.
@@ -395,13 +423,15 @@ def session_alive(ref: RunRef, sessions: list[dict] | None = None) -> bool | Non
 
 
 def run_alive(ref: RunRef, sessions: list[dict] | None = None) -> bool | None:
-    """Whether the run still runs: its tmux session has a live pane, or its command's process group (the
-    pid file) still exists. Either is enough: a wrongly declared crash is worse than a late one (a follower
+    """Whether the run still runs: its tmux session has a live pane, a process carrying its marker lives,
+    or its command's process group (the pid file) still exists. Either is enough: a wrongly declared crash is worse than a late one (a follower
     would stop, a status would say crashed while the trainer still holds its GPUs). None when neither can
     tell."""
     alive = session_alive(ref, sessions)
     if alive:
         return True
+    if runprocs.run_processes(ref.path):
+        return True  # a process of the run that left its group (or outlived its launcher) still runs
     pid = command_alive(ref)
     if pid:
         return True

@@ -17,7 +17,7 @@ import select
 import time
 from pathlib import Path
 
-from orchestrator.agent.runs import RunRef, created_key, read_exit, run_refs
+from orchestrator.agent.runs import RunRef, created_key, read_exit, run_refs, state_of, stopped_by
 
 # One read from a file per pump; one event carries at most this much (the JSON line stays small enough
 # for the workstation to parse without stalls).
@@ -56,7 +56,9 @@ def throughput_summary(metrics_path: Path, skip_first: int = 3) -> dict | None:
 
 
 def last_good_baseline(workdir: str | Path, ref: RunRef) -> dict | None:
-    """Throughput of the newest succeeded run of the same experiment that is older than `ref`."""
+    """The last good run: throughput of the newest run of the same experiment, older than `ref`, whose state
+    is "succeeded" (runs.state_of: ended with exit 0 and not stopped by `dflashctl stop` or `launch
+    --replace`, whose trainer may exit 0 on SIGINT after a shortened run). The one definition of it."""
     if not ref.experiment:
         return None
     for other in reversed(run_refs(workdir)):
@@ -65,7 +67,7 @@ def last_good_baseline(workdir: str | Path, ref: RunRef) -> dict | None:
         if created_key(other) >= created_key(ref):
             continue
         exit_info = read_exit(other)
-        if exit_info is None or exit_info.get("exit_code") != 0:
+        if exit_info is None or state_of(exit_info, False, stopped_by(other, exit_info)) != "succeeded":
             continue
         summary = throughput_summary(other.metrics)
         if summary is not None:

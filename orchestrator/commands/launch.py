@@ -1,4 +1,5 @@
-"""`dflashctl launch EXPERIMENT [--target T] [--tag TAG] [--replace] [--follow] [--dry-run] [--resume RUN]`.
+"""`dflashctl launch EXPERIMENT [--target T] [--tag TAG] [--replace] [--follow] [--dry-run] [--resume RUN]
+[--data-only]`.
 Thin: flags, one ops call, render."""
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def launch_cmd(
                                  "the launch's first, then those of `logs --json`)."),
     resume: str = typer.Option(None, "--resume", metavar="RUN",
                                help="Continue this run of the experiment from its last complete checkpoint (a new run)."),
+    data_only: bool = typer.Option(False, "--data-only",
+                                   help="Run only the data stage (regenerate the training data with the target, in the "
+                                   "experiment's data_venv), in the same tmux session and log; no training."),
 ) -> None:
     """Preflight (GPUs idle, no live session, venv = lock), write runs/<id>/, start it in tmux."""
     from orchestrator import preconnect
@@ -37,7 +41,7 @@ def launch_cmd(
 
         inv = options.load(ctx)
         result = launch_experiment(inv, experiment, target=target, tag=tag, replace=replace, dry_run=dry_run,
-                                   grace_s=grace, resume=resume, on_event=EventPrinter(quiet=as_json),
+                                   grace_s=grace, resume=resume, data_only=data_only, on_event=EventPrinter(quiet=as_json),
                                    cli=shlex.join(["dflashctl", *sys.argv[1:]]), early=early)
     finally:
         if early is not None:
@@ -48,22 +52,20 @@ def launch_cmd(
 
         # The whole log from its first line, printed exactly as `dflashctl logs RUN --follow` prints it (a run
         # across targets: no target, so that logs follows every node in one stream).
-        across = getattr(result, "nodes", None) is not None
-        raise typer.Exit(follow_and_print(inv, result.run_id, target=None if across else result.target, follow=True,
-                                          tail=None, as_json=as_json))
+        raise typer.Exit(follow_and_print(inv, result.run_id, target=None if result.across else result.target,
+                                          follow=True, tail=None, as_json=as_json))
 
 
 def _print(result, *, as_json: bool, follow: bool, grace: float) -> None:
     from orchestrator.render import console, print_json, text
 
-    if getattr(result, "nodes", None) is not None and not as_json:  # a layout across targets
+    if result.across and not as_json:  # a layout across targets
         out = console()
         out.soft_wrap = True
         what = "plan (dry run, nothing changed)" if result.dry_run else "launched"
         out.print(text((what, "green"), f" {result.run_id} on {len(result.nodes)} nodes"))
-        for n in result.nodes:
-            out.print(f"  node {n['index']}: {n['target']}  {n['run_dir']}  session {n['session']}  GPUs {n['gpus'] or 'CPU'}",
-                      markup=False)
+        for i, n in enumerate(result.nodes):
+            out.print(f"  node {i}: {n.target}  {n.run_dir}  session {n.session}  GPUs {n.gpus or 'CPU'}", markup=False)
         out.print(f"  follow: dflashctl logs {result.run_id} --follow    stop: dflashctl stop {result.run_id}")
         return
     if as_json and follow and not result.dry_run:
@@ -77,6 +79,7 @@ def _print(result, *, as_json: bool, follow: bool, grace: float) -> None:
         return
     out = console()
     out.soft_wrap = True  # paths and command lines stay whole (copy-pastable)
+    result = result.first  # a run on one target
     if result.dry_run:
         _print_plan(out, result, grace)
         return

@@ -11,6 +11,7 @@ import typer
 
 from orchestrator.commands import options
 
+DEFAULT_TAIL = 100
 EXIT_CODES_HELP = (
     "Exit codes: 0 the run succeeded (or, without --follow, is still running); 1 it failed (or crashed) "
     "with no known signature; 2 it failed or crashed with a known crash signature; 3 the connection was "
@@ -78,9 +79,11 @@ def outcome_line(outcome) -> str:
 
 
 def follow_and_print(inv, ref: str | None, *, target: str | None, follow: bool, tail: int | None,
-                     raw: bool = False, as_json: bool = False) -> int:
+                     raw: bool = False, as_json: bool = False, resume: bool = False) -> int:
     """Show or follow a run and print it all: the ONE follow of `logs` and `launch --follow` (the same
     lines, alerts, signature diagnoses and outcome line, whichever verb started it).
+
+    `resume`: start after the last line this workstation printed of the run, where that is known.
 
     Returns:
         The exit code (EXIT_CODES_HELP); 130 when Ctrl-C stopped the following (the run keeps running).
@@ -90,7 +93,8 @@ def follow_and_print(inv, ref: str | None, *, target: str | None, follow: bool, 
 
     err = console(stderr=True)
     try:
-        outcome = logs(inv, ref, target=target, following=follow, tail=tail, **_hooks(err, raw, as_json))
+        outcome = logs(inv, ref, target=target, following=follow, tail=tail, resume=resume,
+                       **_hooks(err, raw, as_json))
     except KeyboardInterrupt:
         if not as_json:
             err.print("stopped following; the run keeps running")
@@ -108,15 +112,18 @@ def logs_cmd(
                               help="A run id, or an experiment name (its newest run). Default: the newest run."),
     target: str = typer.Option(None, "--target", "-t", help="Target holding the run (default: the experiment's, else `local`)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Follow until the run ends (Ctrl-C stops following; the run keeps running)."),
-    tail: int = typer.Option(100, "--tail", "-n", help="Start at the last N lines (-1: the whole log)."),
+    tail: int = typer.Option(None, "--tail", "-n", show_default=False,
+                             help=f"Start at the last N lines (-1: the whole log). Default: {DEFAULT_TAIL}; with "
+                             "--follow, after the last line this workstation printed of the run, if it printed any."),
     raw: bool = typer.Option(False, "--raw", help="Only the log lines, exactly as written: no diagnoses, alerts or summary."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line: line, match, alert, status, then outcome."),
 ) -> None:
     if raw and as_json:
         raise typer.BadParameter("--raw and --json exclude each other")
     inv = options.load(ctx)
-    raise typer.Exit(follow_and_print(inv, ref, target=target, follow=follow, tail=None if tail < 0 else tail,
-                                      raw=raw, as_json=as_json))
+    start = DEFAULT_TAIL if tail is None else (None if tail < 0 else tail)
+    raise typer.Exit(follow_and_print(inv, ref, target=target, follow=follow, tail=start, raw=raw, as_json=as_json,
+                                      resume=follow and tail is None))
 
 
 def register(app: typer.Typer) -> None:

@@ -21,12 +21,14 @@ def metrics_cmd(
 
     ms = metrics_of(options.load(ctx), ref, target=target)
     if as_json:
-        print_json({"run_id": ms.run_id, "total_rows": ms.total_rows,
+        print_json({"run_id": ms.run_id, "total_rows": ms.total_rows, "notes": ms.notes,
                     "series": {k: {"step": xs, "value": ys} for k, (xs, ys) in ms.series.items()}})
     elif not ms.series:
         console().print(f"run {ms.run_id} has no metrics yet")
     else:
         print(render_terminal(ms, width=width))
+        for line in ms.notes:
+            print(line)
     if png:
         console(stderr=True).print(f"wrote {write_png(ms, png)}")
 

@@ -17,15 +17,28 @@ def stop_cmd(
     from orchestrator.ops.stop import stop_run
     from orchestrator.render import EventPrinter, console, run_state
 
-    res = stop_run(options.load(ctx), run, target=target, grace_s=grace, on_event=EventPrinter())
-    if isinstance(res, list):  # a run across targets: one result per node
-        for i, r in enumerate(res):
-            console().print(f"node {i}: " + (str(r) if isinstance(r, Exception) else
-                            f"run {r.run_id} {run_state(r.state, (r.exit or {}).get('stopped'))}"), soft_wrap=True)
-        return
-    how = "had already ended" if res.already_ended else f"stopped with {', '.join(res.signals)}"
-    console().print(f"run {res.run_id} {how}: {run_state(res.state, (res.exit or {}).get('stopped'))}"
-                    + (f" (exit code {res.exit.get('exit_code')})" if res.exit else ""), soft_wrap=True)
+    done = stop_run(options.load(ctx), run, target=target, grace_s=grace, on_event=EventPrinter())
+    for node in done.nodes:
+        prefix = f"node {node.placement.node}: " if done.across else ""
+        if node.error is not None:
+            console().print(f"{prefix}{node.error}", soft_wrap=True)
+        elif done.across:
+            r = node.result
+            console().print(f"{prefix}run {r.run_id} {run_state(r.state, (r.exit or {}).get('stopped'))}",
+                            soft_wrap=True)
+        else:
+            console().print(stopped_line(node.result), soft_wrap=True)
+
+
+def stopped_line(res) -> str:
+    """What one stop did: `run R stopped with SIGINT: stopped by ...`, `run R had already ended: failed`, ..."""
+    from orchestrator.render import run_state
+
+    how = "had already ended: " if res.already_ended else (
+        f"stopped with {', '.join(res.signals)}: " if res.signals else  # no signal: nothing was left to get one
+        "- the run's processes are gone (container restarted?); marked ")
+    return (f"run {res.run_id} {how}{run_state(res.state, (res.exit or {}).get('stopped'))}"
+            + (f" (exit code {res.exit.get('exit_code')})" if res.exit else ""))
 
 
 def register(app: typer.Typer) -> None:

@@ -2,7 +2,7 @@
 
 The target builds the argv (Target.attach_argv): `tmux attach -t =SESSION` here for a local target; for a
 container the real OpenSSH client with a tty running `pct exec CT -- tmux attach ...` on the host. This
-module finds the session and replaces the process with that command.
+module finds the session (orchestrator.ops.placement) and replaces the process with that command.
 """
 
 from __future__ import annotations
@@ -10,67 +10,49 @@ from __future__ import annotations
 import os
 import shutil
 
-from orchestrator import names
-from orchestrator.errors import UserError
+from orchestrator.errors import RunNotFound, UserError
+from orchestrator.ops.placement import Placement, opened, resolve
+from orchestrator.records import records_path
 
 
-def session_for(ref: str, inv=None, node: int | None = None) -> tuple[str, str | None, str | None]:
-    """(session, experiment, target name) for a run id or an experiment name.
-
-    A recorded run gives its experiment and target (a run across targets: node `node`'s, default node 0);
-    else `ref` must be an experiment of the inventory (across targets: node `node`'s target).
+def session_for(ref: str, inv, node: int | None = None) -> tuple[str, str | None, str | None]:
+    """(session, experiment, target name) for a run id or an experiment name: the run's placement `node`
+    (default: node 0, the only one of a run on one target).
 
     Raises:
-        UserError: `ref` (or the record's experiment) breaks the name rule.
+        UserError: `ref` (or the record's experiment) breaks the name rule, or the run has no node `node`.
         RunNotFound / InventoryError: neither a recorded run nor an experiment.
     """
-    from orchestrator.errors import RunNotFound
-    from orchestrator.inventory import check_name, check_run_ref
-    from orchestrator.records import find_record
-
-    check_run_ref(ref, "run id or experiment")
-    try:
-        rec = find_record(ref)
-        experiment = check_name("experiment", rec["experiment"])
-        return names.session_name(experiment), experiment, _node_target(rec.get("nodes"), node, rec.get("target"), ref)
-    except RunNotFound:
-        if inv is None or ref not in getattr(inv, "experiments", {}):
-            raise
-    exp = inv.experiment(ref)
-    nodes = [{"target": t} for t in exp.layout.node_targets()] if exp.kind == "dflash" else []
-    return names.session_name(ref), ref, _node_target(nodes, node, exp.target, ref)
+    where = resolve(inv, ref)
+    if where.experiment is None:  # a run id nothing here recorded: no experiment, so no session name
+        raise RunNotFound(f"no run {ref!r} in {records_path()}", fix="dflashctl runs  (lists recorded runs)")
+    place = _node(where.placements, node, ref)
+    return place.session, where.experiment, place.target
 
 
-def _node_target(nodes: list | None, node: int | None, default: str | None, ref: str) -> str | None:
-    """The target of node `node` of a run across targets (None: node 0, i.e. `default`).
+def _node(places: list[Placement], node: int | None, ref: str) -> Placement:
+    """Placement `node` of a run (None: the first).
 
     Raises:
         UserError: --node of a run on one target, or a node the run does not have.
     """
-    from orchestrator.errors import UserError
-
     if node is None:
-        return default
-    if not nodes or not 0 <= node < len(nodes):
-        count = len(nodes or []) or 1
+        return places[0]
+    found = [p for p in places if p.node == node]
+    if not found:
+        count = len([p for p in places if p.node is not None]) or 1
         raise UserError(f"{ref} runs on {count} node(s): there is no node {node}",
                         fix=f"dflashctl attach {ref} --node N with N from 0 to {count - 1}")
-    return nodes[node]["target"]
+    return found[0]
 
 
 def attach_command(inv, ref: str, *, target: str | None = None, read_only: bool = False,
                    node: int | None = None) -> list[str]:
     """`dflashctl attach`: the argv that attaches to the session of run or experiment `ref` on `target`
-    (default: the run's, a run across targets: node `node`'s, else the inventory's default). Opens the target
-    for its settings and closes it."""
-    from orchestrator.target import open_target
-
+    (default: the run's, a run across targets: node `node`'s). Opens the target for its settings and closes it."""
     session, _experiment, tname = session_for(ref, inv, node)
-    tgt = open_target(inv, target or tname or inv.default_target())
-    try:
+    with opened(inv, [target or tname]) as (tgt,):
         return tgt.attach_argv(session, read_only)
-    finally:
-        tgt.close()
 
 
 def exec_attach(argv: list[str]) -> None:  # pragma: no cover - replaces the process

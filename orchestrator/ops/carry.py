@@ -19,6 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from orchestrator.errors import UserError
+from orchestrator.ops.lockfile import normalize_name
+from orchestrator.records import state_dir
 
 # Workstation cache (in the state dir): which uv and wheels each container is known to hold.
 KNOWN_FILES = "carried.json"
@@ -103,8 +105,6 @@ def workstation_uv() -> UvBinary:
 
 def wheel_pin(file: str) -> tuple[str, str] | None:
     """(normalized name, version) of a wheel file name; None for anything that is not a wheel."""
-    from orchestrator.ops.lock import normalize_name
-
     m = _WHEEL.match(file)
     return (normalize_name(m.group("name")), m.group("version")) if m else None
 
@@ -147,8 +147,6 @@ def _load(path: Path) -> dict:
 
 def known(key: str) -> dict:
     """{"uv": sha256, "wheels": {file: sha256}} this workstation knows target `key` holds."""
-    from orchestrator.records import state_dir
-
     entry = _load(state_dir() / KNOWN_FILES).get(key)
     if not isinstance(entry, dict):
         return {"uv": None, "wheels": {}}
@@ -158,8 +156,6 @@ def known(key: str) -> dict:
 
 def remember(key: str, uv_sha: str | None, wheels: list[CarriedWheel]) -> None:
     """Record that target `key` holds this uv and these wheels (after a rebuild that used them)."""
-    from orchestrator.records import state_dir
-
     path = state_dir() / KNOWN_FILES
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

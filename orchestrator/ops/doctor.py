@@ -9,6 +9,10 @@ connection: host side `pct status CTID` (not `pct exec`), then at the same time 
 in the container, ONE agent `ping` (one `pct exec`) that answers every in-container check.
 A first contact with a container that lacks this bundle adds the one-time bundle copy (target.py).
 For the local target the same agent ping runs as a subprocess, and the ssh/pct checks do not apply.
+
+The GPU checks (devices passed through, nvidia-smi, the driver) follow the experiments on the target: when
+none of them uses a GPU (CPU layouts, command experiments without `gpus`), they are skipped with that reason,
+so a CPU-only container is ready when it can run its experiments.
 """
 
 from __future__ import annotations
@@ -207,6 +211,46 @@ def _venv_profile(inv, spec) -> dict:
         return {}
 
 
+def gpu_experiments(inv, target_name: str) -> tuple[list[str], list[str]]:
+    """(experiments that use a GPU on `target_name`, every experiment on it), by name in inventory order.
+
+    An experiment is on a target when it is its `target` or one node of its layout; it uses a GPU there when
+    its layout gives that node (or the single target) GPUs, or, for a command, when it lists `gpus`."""
+    on, gpu = [], []
+    for name, exp in inv.experiments.items():
+        layout = getattr(exp, "layout", None)
+        nodes = layout.nodes if layout is not None else []
+        if nodes:
+            mine = [n for n in nodes if n.target == target_name]
+            if not mine:
+                continue
+            uses = any(n.gpus for n in mine)
+        elif exp.target == target_name:
+            uses = bool(layout.gpus) if layout is not None else bool(getattr(exp, "gpus", []))
+        else:
+            continue
+        on.append(name)
+        if uses:
+            gpu.append(name)
+    return gpu, on
+
+
+def _follow_experiments(rep: DoctorReport, inv, target_name: str) -> DoctorReport:
+    """Skip the GPU checks, with the reason, when no experiment on the target uses a GPU."""
+    gpu, on = gpu_experiments(inv, target_name)
+    if gpu:
+        return rep
+    if on:
+        why = f"no experiment on {target_name} uses a GPU ({', '.join(on)}: CPU only)"
+    else:
+        why = f"no experiment in {inv.source} runs on {target_name}"
+    for c in rep.checks:
+        hidden = c.status == SKIP and c.detail.startswith("needs ")  # an earlier failure's reason stays
+        if c.name in GPU_CHECKS and not hidden:
+            c.status, c.detail, c.fix = SKIP, f"{why}; found: {c.detail}", None
+    return rep
+
+
 def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> DoctorReport:
     """Check that target `target_name` can train.
 
@@ -216,7 +260,8 @@ def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> Docto
         min_free_gib: free disk below this fails (default 20 GiB in a container, 1 GiB locally).
     Returns:
         A DoctorReport; `.ok` is False when any check failed. Connection trouble is reported as a failed
-        check, not raised.
+        check, not raised. The GPU checks are skipped (with the reason) when no experiment on the target
+        uses a GPU.
     Raises:
         InventoryError / UserError: unknown or unsafe target name.
     """
@@ -233,9 +278,10 @@ def doctor(inv, target_name: str, *, min_free_gib: float | None = None) -> Docto
                   _venv_profile(inv, spec))
         finally:
             target.close()
-        return rep
-    return _doctor_container(inv, target_name, spec,
-                             DEFAULT_MIN_FREE_GIB["container"] if min_free_gib is None else min_free_gib)
+        return _follow_experiments(rep, inv, target_name)
+    rep = _doctor_container(inv, target_name, spec,
+                            DEFAULT_MIN_FREE_GIB["container"] if min_free_gib is None else min_free_gib)
+    return _follow_experiments(rep, inv, target_name)
 
 
 def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport:
@@ -327,6 +373,7 @@ def _ssh_ok(rep: DoctorReport, host) -> None:
 
 
 LIB_CHECK, CUDA_CHECK = "driver libraries = kernel module", "driver runs the venv's torch"
+GPU_CHECKS = ("GPU devices visible", "nvidia-smi readable", LIB_CHECK, CUDA_CHECK)
 _ORDER = ["ssh reachable", "host key known", "pct present", "container running", "GPU devices visible",
           "python3", "nvidia-smi readable", LIB_CHECK, CUDA_CHECK, "tmux", "uv", "free disk", "workdir writable",
           "inductor cache dir writable"]

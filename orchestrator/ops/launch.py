@@ -1,17 +1,23 @@
-"""launch: turn an experiment into one `launch` agent call in its target, and keep a workstation record.
+"""launch: an experiment's placements (one target, or every node of a layout across targets), one `launch`
+agent call on each, and a workstation record of the run.
 
-Every name that reaches the target (experiment, tag, and so the run id) is checked HERE, before any
-transport is touched: a hostile tag never costs a `pct exec`.
+A launch across N nodes preflights every node (the launch agent's dry run: no live session, GPUs idle and
+unclaimed, the driver, the venv equal to the lock) in parallel, compares the venv fingerprints ACROSS nodes (one
+torch on every node), and only when every node passed starts them all, in parallel, with one run id: each
+node's agent call runs the same checks again under its launch lock (a race in between is caught there), writes
+its run directory and starts its session running `python -m trainer.launch --node I`. A node that cannot start
+stops the nodes that did. So a launch across N nodes costs two agent calls (pct execs) per node: a node must
+not start before the last one passed, and one agent call cannot wait for the others' verdicts. A launch on one
+target is its one agent call.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import names
 from orchestrator.agent.driver import PROBLEM_TYPES as DRIVER_PROBLEMS
 from orchestrator.agent.requests import (
     DEFAULT_CLAIM_WAIT_S,
@@ -20,146 +26,27 @@ from orchestrator.agent.requests import (
     LaunchAnswer,
     LaunchRequest,
 )
-from orchestrator.errors import AgentError, PreflightError, UserError
-from orchestrator.inventory import check_name, check_run_ref
-from orchestrator.ops.stop import requested_by
+from orchestrator.bundle import build_bundle
+from orchestrator.errors import DflashError, PreflightError, UserError
+from orchestrator.inventory import check_run_ref
+from orchestrator.ops.placement import each, opened
+from orchestrator.ops.refusal import agent_or_refuse
+from orchestrator.ops.runstop import stop
+from orchestrator.ops.spec import LaunchSpec, make_run_id, node_specs, spec_from_inventory
+from orchestrator.records import append_record, record_stopped, requested_by
 
 if TYPE_CHECKING:
     from orchestrator.agent.events import Event
+
+__all__ = ["LaunchResult", "LaunchSpec", "RunLaunch", "fingerprint_differences", "launch", "launch_experiment",
+           "launch_placements", "launch_request", "make_run_id", "node_specs", "spec_from_inventory"]
 
 # Agent error types that are launch refusals (the user's situation, not a bug): shown as PreflightError.
 REFUSALS = {"GpuBusy", "GpuClaimed", "SessionExists", "VenvMismatch", "LockHeld", "ResumeNotFound", "ResumeMismatch",
             "NothingToResume", *DRIVER_PROBLEMS}
 
-
-@dataclass
-class LaunchSpec:
-    """What to launch, resolved from the inventory (or built directly by tests and scripts)."""
-
-    experiment: str
-    kind: str
-    """`dflash` (the bundled trainer) or `command` (any argv)."""
-    target: str
-    """Target name (recorded; the Target object is passed separately)."""
-    tag: str | None = None
-    command: list[str] = field(default_factory=list)
-    """kind command: the argv."""
-    env: dict[str, str] = field(default_factory=dict)
-    """kind command: extra environment."""
-    gpus: list[int] = field(default_factory=list)
-    """Every GPU the run occupies (checked idle; CUDA_VISIBLE_DEVICES for kind command)."""
-    layout: dict | None = None
-    """kind dflash: {target_gpus, drafter_gpus}."""
-    config: dict | None = None
-    """kind dflash: the resolved TrainConfig as a dict (written to runs/<id>/config.json)."""
-    gpu_idle_mib: int = 1024
-    venv_profile: dict = field(default_factory=dict)
-    lock_hash: str | None = None
-    """The expected venv lock hash; None: no lock to compare (the workstation interpreter)."""
-    node: dict | None = None
-    """A layout across targets: this node's {index, count, targets} (orchestrator.ops.nodes); None: one node."""
-
-    def validate(self) -> None:
-        """Raises UserError for an unsafe experiment/target/tag name or an unknown kind."""
-        check_name("experiment", self.experiment)
-        check_name("target", self.target)
-        if self.tag is not None:
-            check_name("tag", self.tag)
-        if self.kind not in ("dflash", "command"):
-            raise UserError(f"experiment {self.experiment}: unknown kind {self.kind!r}", fix="use kind: dflash or kind: command")
-        if self.kind == "command" and not self.command:
-            raise UserError(f"experiment {self.experiment}: kind command needs a `command:` argv")
-
-
-def make_run_id(experiment: str, tag: str | None, now: _dt.datetime | None = None) -> str:
-    """`<experiment>[-<tag>]-<YYYYmmddTHHMMSSZ>` (UTC): names.run_id, with a UserError for a bad name."""
-    check_name("experiment", experiment)
-    if tag is not None:
-        check_name("tag", tag)
-    return names.run_id(experiment, tag, now)
-
-
-def spec_from_inventory(inv, experiment: str, target: str | None = None, tag: str | None = None) -> LaunchSpec:
-    """Resolve an experiment of the inventory into a LaunchSpec.
-
-    Raises:
-        InventoryError / UserError: unknown or unsafe names.
-    """
-    exp = inv.experiment(experiment)
-    if exp.kind == "dflash" and exp.layout.nodes and target not in (None, exp.target):
-        raise UserError(f"experiment {experiment} runs on the targets of its layout's nodes "
-                        f"({', '.join(exp.layout.node_targets())}); --target {target} cannot move it",
-                        fix=f"dflashctl launch {experiment}   (or edit experiments.{experiment}.layout.nodes)")
-    tname = target or exp.target
-    tspec = inv.target(tname)
-    vname = exp.venv or tspec.venv
-    vspec = inv.venv(vname)
-    spec = LaunchSpec(
-        experiment=experiment,
-        kind=exp.kind,
-        target=tname,
-        tag=tag,
-        gpu_idle_mib=getattr(tspec, "gpu_idle_mib", 1024),
-        venv_profile={"name": vname, **vspec.model_dump()},
-        lock_hash=expected_lock_hash(vspec),
-    )
-    if exp.kind == "dflash":
-        spec.layout = exp.layout.model_dump()
-        spec.gpus = list(exp.layout.gpus)
-        spec.config = trainer_config(experiment, exp)
-    else:
-        spec.command = list(exp.command)
-        spec.env = dict(exp.env)
-        spec.gpus = list(exp.gpus)
-    spec.validate()
-    return spec
-
-
-def trainer_config(name: str, exp) -> dict:
-    """The experiment's TrainConfig as a dict with the inventory's GPU layout written into its `layout`
-    section (what `python -m trainer.launch` reads); the trainer section's own layout keys (timeout_s,
-    prefetch, CPU process counts) are kept.
-
-    Raises:
-        UserError: the trainer section lists other GPUs than the experiment's `layout:`, or CPU process
-            counts beside GPUs, or the result is not a valid trainer config.
-    """
-    from trainer.config import ConfigError, parse_config
-
-    config = exp.trainer.model_dump(mode="json")
-    lay = dict(config.get("layout") or {})
-    if exp.layout.nodes:
-        from orchestrator.inventory import trainer_layout
-
-        lay.update(trainer_layout(exp.layout), target_gpus=[], drafter_gpus=[])
-    for key in ("target_gpus", "drafter_gpus") if not exp.layout.nodes else ():
-        want = list(getattr(exp.layout, key))
-        own = list(lay.get(key) or [])
-        if own and own != want:
-            raise UserError(
-                f"experiment {name}: trainer.layout.{key} {own} differs from layout.{key} {want}",
-                fix=f"list the GPUs once, in experiments.{name}.layout, and drop trainer.layout.{key}",
-            )
-        lay[key] = want
-    config["layout"] = lay
-    try:
-        parse_config(config, source=f"experiments.{name}.trainer")
-    except ConfigError as exc:
-        raise UserError(str(exc), fix=f"fix experiments.{name} (layout / trainer sections)") from None
-    return config
-
-
-def expected_lock_hash(vspec) -> str | None:
-    """The lock hash a uv venv profile must match (None for the workstation interpreter: no lock).
-
-    Raises:
-        UserError: the profile names a lock that does not exist.
-    """
-    if getattr(vspec, "kind", None) != "uv":
-        return None
-    from orchestrator.ops.lock import resolve_lock
-
-    return resolve_lock(vspec.lock).hash
+FINGERPRINT_KEYS = ("lock_hash", "python", "packages")
+"""What must be equal across the nodes' venvs (paths and build times may differ)."""
 
 
 @dataclass
@@ -202,6 +89,7 @@ def launch(
     resume: str | None = None,
     warmup_device: str = "cuda",
     claim_wait_s: float = DEFAULT_CLAIM_WAIT_S,
+    data_only: bool = False,
 ) -> LaunchResult:
     """Launch `spec` on `target` in ONE agent call; append a workstation run record.
 
@@ -218,6 +106,7 @@ def launch(
             complete checkpoint, with the old run's config (kind command: DFLASHCTL_RESUME_DIR is set).
         warmup_device: `--device` of the GPU warm-ups ("cpu" only for tests on a GPU-less machine).
         claim_wait_s: seconds to wait for another launch's preflight that holds one of the GPUs.
+        data_only: kind dflash: the session runs the data stage alone (regenerate), no training.
     Returns:
         LaunchResult.
     Raises:
@@ -233,7 +122,7 @@ def launch(
     request = launch_request(spec, created=created, run_id=make_run_id(spec.experiment, spec.tag, now), cli=cli,
                              replace=replace, grace_s=grace_s, release_timeout_s=release_timeout_s,
                              dry_run=dry_run, resume=resume, warmup_device=warmup_device,
-                             claim_wait_s=claim_wait_s)
+                             claim_wait_s=claim_wait_s, data_only=data_only)
     ans = agent_or_refuse(target, "launch", request, REFUSALS, f"launch {spec.experiment} on {spec.target}",
                           on_event=on_event, timeout=timeout, answer=LaunchAnswer)
     result = LaunchResult(
@@ -247,28 +136,25 @@ def launch(
     return result
 
 
-
 def launch_request(spec: LaunchSpec, *, created: str, run_id: str, cli: str | None, replace: bool, grace_s: float,
                    release_timeout_s: float, dry_run: bool, resume: str | None, warmup_device: str,
-                   claim_wait_s: float) -> dict[str, Any]:
+                   claim_wait_s: float, data_only: bool = False) -> dict[str, Any]:
     """The launch verb's request to the agent (orchestrator.agent.requests.LaunchRequest, as JSON)."""
-    from orchestrator.bundle import build_bundle
-
     return LaunchRequest(
         experiment=spec.experiment, run_id=run_id, tag=spec.tag, target=spec.target, kind=spec.kind,
-        command=spec.command, env=spec.env, gpus=list(spec.gpus or []), layout=spec.layout, config=spec.config,
+        command=spec.command, env=spec.env, secret_env=list(spec.secret_env), gpus=list(spec.gpus or []),
+        layout=spec.layout, config=spec.config,
         gpu_idle_mib=spec.gpu_idle_mib, venv_profile=spec.venv_profile, lock_hash=spec.lock_hash,
         bundle_hash=build_bundle().hash, cli=cli, created=created, replace=replace, grace_s=grace_s,
         release_timeout_s=release_timeout_s, dry_run=dry_run, resume=resume, warmup_device=warmup_device,
         claim_wait_s=claim_wait_s, requested_by=requested_by(f"dflashctl launch {spec.experiment} --replace"),
-        node=spec.node,
+        node=spec.node, data_venv_profile=spec.data_venv_profile, data_lock_hash=spec.data_lock_hash,
+        data_only=data_only,
     ).to_json()
 
 
 def _record(spec: LaunchSpec, ans: LaunchAnswer, result: LaunchResult, created: str) -> None:
     """Append the launch to the workstation records (and the stop of the run it replaced)."""
-    from orchestrator.records import append_record
-
     path = append_record({
         "run_id": result.run_id,
         "experiment": spec.experiment,
@@ -276,7 +162,8 @@ def _record(spec: LaunchSpec, ans: LaunchAnswer, result: LaunchResult, created: 
         "target": spec.target,
         "kind": spec.kind,
         # What actually ran: a resumed run uses the old run's config, and its layout's GPUs.
-        "config": ans.config if spec.kind == "dflash" else {"command": spec.command, "env": spec.env},
+        "config": ans.config if spec.kind == "dflash" else {"command": spec.command, "env": {
+            k: "<secret>" if k in spec.secret_env else v for k, v in spec.env.items()}},
         "gpus": ans.gpus,
         "gpus_seen": ans.gpus_seen,
         "env_fingerprint": ans.env_fingerprint,
@@ -288,46 +175,164 @@ def _record(spec: LaunchSpec, ans: LaunchAnswer, result: LaunchResult, created: 
     })
     result.record_path = str(path)
     if result.replaced and ans.replaced_stopped is not None:
-        from orchestrator.records import record_stopped
-
         record_stopped(result.replaced, ans.replaced_stopped)
 
 
+@dataclass
+class RunLaunch:
+    """What `dflashctl launch` did (or, with dry_run, would do): one LaunchResult per placement (node 0 first;
+    one for a run on one target), all with the same run id."""
+
+    run_id: str
+    experiment: str
+    nodes: list[LaunchResult]
+    dry_run: bool = False
+    record_path: str | None = None
+
+    @property
+    def across(self) -> bool:
+        return len(self.nodes) > 1
+
+    @property
+    def first(self) -> LaunchResult:
+        return self.nodes[0]
+
+    @property
+    def run_dir(self) -> str:
+        return self.first.run_dir
+
+    @property
+    def target(self) -> str:
+        return self.first.target
+
+    def to_dict(self) -> dict:
+        """Node 0's fields at the top (a run on one target reads as its LaunchResult), every node under `nodes`."""
+        return {**self.first.to_dict(), "record_path": self.record_path, "nodes": [n.to_dict() for n in self.nodes]}
+
+
+def fingerprint_differences(fingerprints: list[dict], targets: list[str]) -> list[str]:
+    """How node i's venv differs from node 0's, as lines (empty: one venv everywhere)."""
+    out = []
+    base = {k: fingerprints[0].get(k) for k in FINGERPRINT_KEYS}
+    for i, fp in enumerate(fingerprints[1:], start=1):
+        for key in FINGERPRINT_KEYS:
+            a, b = base[key], fp.get(key)
+            if a == b:
+                continue
+            if isinstance(a, dict) and isinstance(b, dict):
+                names = sorted(k for k in {*a, *b} if a.get(k) != b.get(k))
+                out += [f"{n}: {a.get(n) or 'absent'} on {targets[0]}, {b.get(n) or 'absent'} on {targets[i]}"
+                        for n in names]
+            else:
+                out.append(f"{key}: {a} on {targets[0]}, {b} on {targets[i]}")
+    return out
+
+
+def _refusal(specs: list, outcomes: list) -> None:
+    """Raise one PreflightError naming every node that refused (the first one's fix), if any did."""
+    bad = [(s, exc) for s, (_, exc) in zip(specs, outcomes) if exc is not None]
+    if not bad:
+        return
+    lines = [f"node {s.node['index']} ({s.target}): {exc}" for s, exc in bad]
+    first = bad[0][1]
+    err = PreflightError("launch across nodes refused, nothing started: " + "; ".join(lines),
+                         fix=getattr(first, "fix", None))
+    err.agent_type = getattr(first, "agent_type", None)  # type: ignore[attr-defined]
+    raise err from first
+
+
+def launch_placements(targets: list, specs: list[LaunchSpec], *, dry_run: bool = False, record: bool = True,
+                      now: _dt.datetime | None = None, **kw) -> RunLaunch:
+    """Launch one run with specs[i] on targets[i] (opened): on one target its one launch; across targets as the
+    module docstring says. `kw`: launch's other keyword arguments (`replace` only on one target).
+
+    Raises:
+        PreflightError: a node refused (every refusing node named), or the nodes' venvs differ.
+        DflashError: a node could not start (the started nodes were stopped again).
+    """
+    if len(specs) == 1:
+        res = launch(targets[0], specs[0], dry_run=dry_run, record=record, now=now, **kw)
+        return RunLaunch(res.run_id, res.experiment, [res], res.dry_run, res.record_path)
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    run_id = make_run_id(specs[0].experiment, specs[0].tag, now)
+
+    def one(i: int, dry: bool) -> LaunchResult:
+        return launch(targets[i], specs[i], dry_run=dry, record=False, now=now, **kw)
+
+    plans = each(lambda i: one(i, True), len(specs))
+    _refusal(specs, plans)
+    diff = fingerprint_differences([p.env_fingerprint or {} for p, _ in plans], [s.target for s in specs])
+    if diff:
+        raise PreflightError("launch across nodes refused, nothing started: the nodes' venvs differ: "
+                             + "; ".join(diff[:12]),
+                             fix="dflashctl rebuild-venv --target T on each node that differs, then launch again")
+    if dry_run:
+        return RunLaunch(run_id, specs[0].experiment, [p for p, _ in plans], True)
+    started = each(lambda i: one(i, False), len(specs))
+    failed = [(s, exc) for s, (_, exc) in zip(specs, started) if exc is not None]
+    if failed:
+        _undo(targets, started)
+        s, exc = failed[0]
+        raise DflashError(f"node {s.node['index']} ({s.target}) could not start run {run_id}: {exc}; "
+                          "the nodes that had started were stopped", fix=getattr(exc, "fix", None)) from exc
+    result = RunLaunch(run_id, specs[0].experiment, [r for r, _ in started])
+    if record:
+        result.record_path = str(_record_across(result, specs, kw.get("cli"), now))
+    return result
+
+
+def _undo(targets: list, started: list) -> None:
+    """Stop the run on every node where it started (a node that failed to start must not leave the others
+    waiting for it at the rendezvous)."""
+    for t, (res, exc) in zip(targets, started):
+        if exc is None and res is not None:
+            try:
+                stop(t, res.run_id, grace_s=5.0)
+            except DflashError:
+                pass  # best effort: the rendezvous's join timeout ends it anyway
+
+
+def _record_across(result: RunLaunch, specs: list[LaunchSpec], cli: str | None, now: _dt.datetime):
+    """The workstation record of a run across targets: node 0's fields, and every node under `nodes`."""
+    first = result.first
+    return append_record({
+        "run_id": result.run_id,
+        "experiment": result.experiment,
+        "tag": specs[0].tag,
+        "target": specs[0].target,
+        "kind": specs[0].kind,
+        "config": specs[0].config,
+        "gpus": specs[0].gpus,
+        "run_dir": first.run_dir,
+        "created": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cli": cli,
+        "nodes": [{"index": s.node["index"], "target": s.target, "run_dir": r.run_dir, "session": r.session,
+                   "gpus": r.gpus, "command": r.command, "env_fingerprint": r.env_fingerprint,
+                   "gpus_seen": r.gpus_seen, "bundle_hash": r.bundle_hash} for s, r in zip(specs, result.nodes)],
+        "env_fingerprint": first.env_fingerprint,
+        "bundle_hash": first.bundle_hash,
+    })
+
+
+ACROSS_KW = ("cli", "resume", "warmup_device", "on_event", "timeout", "data_only")
+"""Keyword arguments of launch that a launch across targets passes on (`replace` is refused there)."""
+
+
 def launch_experiment(inv, experiment: str, *, target: str | None = None, tag: str | None = None,
-                      early=None, **kw):
-    """`dflashctl launch`: resolve `experiment` of `inv` (names checked before anything connects), open its
-    target (or `target`), launch, close. `early`: an orchestrator.preconnect.EarlyConnection; `kw`: launch's.
-    Returns a LaunchResult, or for a layout across targets a nodes.NodesResult."""
-    from orchestrator.target import open_target
-
+                      early=None, **kw) -> RunLaunch:
+    """`dflashctl launch`: resolve `experiment` of `inv` into one spec per placement (names checked before
+    anything connects), open their targets (the first may take `early`, an
+    orchestrator.preconnect.EarlyConnection), launch_placements, close. `kw`: launch's."""
     spec = spec_from_inventory(inv, experiment, target, tag)
-    if (spec.layout or {}).get("nodes"):  # a layout across targets: every node (orchestrator.ops.nodes)
-        from orchestrator.ops import nodes
-
-        if early is not None:
+    specs = node_specs(inv, spec) if (spec.layout or {}).get("nodes") else [spec]
+    if len(specs) > 1:
+        if early is not None:  # started for one container's launch; a launch across targets starts with dry runs
             early.close()
+            early = None
         if kw.get("replace"):  # refused, not ignored: the live run would stay and the launch be refused later
             raise UserError(f"--replace does not apply to {experiment}: its layout runs across targets "
                             "(stopping the live run on every node first is not built yet)",
                             fix=f"dflashctl stop RUN (the live run of {experiment}), then dflashctl launch {experiment}")
-        return nodes.launch_experiment(inv, spec, **{k: v for k, v in kw.items() if k in nodes.LAUNCH_KW})
-    tgt = open_target(inv, spec.target, early)
-    try:
-        return launch(tgt, spec, **kw)
-    finally:
-        tgt.close()
-
-
-def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: str, *, on_event=None,
-                    timeout: float | None = None, answer: type | None = None):
-    """One agent call (returning its typed `answer`); an error event whose type is in `refusals` becomes a
-    PreflightError ("<what> refused: ...") carrying the agent's type and data, anything else propagates as the
-    AgentError it is."""
-    try:
-        return target.agent(verb, request, on_event=on_event, timeout=timeout, answer=answer)
-    except AgentError as exc:
-        if exc.agent_type in refusals:
-            err = PreflightError(f"{what} refused: {exc.message}", fix=exc.fix)
-            err.agent_type, err.data = exc.agent_type, exc.data  # type: ignore[attr-defined]
-            raise err from None
-        raise
+        kw = {k: v for k, v in kw.items() if k in (*ACROSS_KW, "dry_run", "record", "now")}
+    with opened(inv, [s.target for s in specs], early) as targets:
+        return launch_placements(targets, specs, **kw)

@@ -9,19 +9,24 @@ the venv directory and is recorded in the venv fingerprint that launch compares.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import assets
 from orchestrator.errors import RemoteCommandError, UserError
+from orchestrator.inventory import check_name
+from orchestrator.ops.carry import uv_binary_path
+from orchestrator.ops.lockfile import LockFile, lock_hash, normalize_name, parse_pins, resolve_lock
+from orchestrator.transport.local import LocalTransport
+
+__all__ = ["LockFile", "LockReport", "compile_argv", "compile_lock", "lock_hash", "normalize_name", "parse_pins",
+           "resolve_lock", "uv_command"]
 
 # The shipped profiles. A venv profile may also name a lock file by path.
-PROFILES = ("cpu", "cuda", "test")
+PROFILES = ("cpu", "cuda", "test", "vllm", "vllm-cuda")
 # Locks are compiled for the container, not for the workstation that compiles them.
 PYTHON_VERSION = "3.11"
 PYTHON_PLATFORM = "x86_64-manylinux_2_28"
@@ -31,97 +36,9 @@ DEFAULT_SOURCES: dict[str, dict] = {
     "cpu": {"extra_index_urls": ["https://download.pytorch.org/whl/cpu"]},
 }
 
-_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
-
-
-def lock_hash(data: bytes) -> str:
-    """The identity of a lock: sha256 of its bytes, 16 hex characters."""
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def normalize_name(name: str) -> str:
-    """PEP 503 normalized project name (`PyYAML` -> `pyyaml`, `typing_extensions` -> `typing-extensions`)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def parse_pins(text: str) -> dict[str, str]:
-    """`{normalized name: version}` of every `name==version` line of a requirements lock."""
-    pins: dict[str, str] = {}
-    for line in text.splitlines():
-        m = _PIN.match(line.strip())
-        if m:
-            pins[normalize_name(m.group(1))] = m.group(2)
-    return pins
-
-
-@dataclass(frozen=True)
-class LockFile:
-    """A lock's bytes and where they came from."""
-
-    name: str
-    """The profile name (`cpu`, `cuda`, `test`) or the file name of a lock given by path."""
-    path: Path
-    data: bytes = field(repr=False)
-
-    @property
-    def hash(self) -> str:
-        return lock_hash(self.data)
-
-    @property
-    def has_hashes(self) -> bool:
-        """True when the lock carries `--hash=` lines (then uv installs in hash-checking mode)."""
-        return b"--hash=" in self.data
-
-    def pins(self) -> dict[str, str]:
-        return parse_pins(self.data.decode("utf-8", errors="replace"))
-
-    def hashes(self) -> dict[str, set[str]]:
-        """`{normalized name: {sha256, ...}}`: the `--hash=sha256:` values of each pin (continuation lines)."""
-        out: dict[str, set[str]] = {}
-        name = None
-        for line in self.data.decode("utf-8", errors="replace").splitlines():
-            m = _PIN.match(line.strip())
-            if m:
-                name = normalize_name(m.group(1))
-            elif not line.startswith((" ", "\t")):
-                name = None
-            if name:
-                out.setdefault(name, set()).update(re.findall(r"--hash=sha256:([0-9a-f]{64})", line))
-        return out
-
-
-def resolve_lock(spec: str, locks_dir: Path | None = None) -> LockFile:
-    """Find the lock a venv profile names: a shipped profile name, or a path to a lock file.
-
-    Args:
-        spec: `cpu`, `cuda`, `test`, or a file path (`~` expanded).
-        locks_dir: where shipped locks live (tests point this elsewhere).
-    Returns:
-        The LockFile, bytes read.
-    Raises:
-        UserError: no such profile or file, or the file is empty.
-    """
-    base = locks_dir or assets.locks_dir()
-    if "/" not in spec and not spec.endswith(".txt"):
-        path = base / f"{spec}.txt"
-        if not path.is_file():
-            known = ", ".join(sorted(p.stem for p in base.glob("*.txt"))) or "none"
-            raise UserError(
-                f"no lock profile {spec!r} in {base} (known: {known})",
-                fix=f"generate it with `dflashctl lock {spec}` after writing {base / (spec + '.in')}, "
-                "or set the venv profile's `lock:` to a lock file path",
-            )
-        name = spec
-    else:
-        path = Path(os.path.expanduser(spec))
-        if not path.is_file():
-            raise UserError(f"lock file {str(path)!r} does not exist", fix="fix the venv profile's `lock:` path")
-        name = path.stem
-    data = path.read_bytes()
-    if not parse_pins(data.decode("utf-8", errors="replace")):
-        raise UserError(f"lock file {str(path)!r} pins no packages (no `name==version` lines)",
-                        fix="make it with `uv pip compile --generate-hashes`")
-    return LockFile(name, path, data)
+# Packages a profile's lock leaves out (`uv pip compile --no-emit-package`), with the reason in its .in file:
+# PyPI's torchvision/torchaudio/torchcodec link CUDA and break `import vllm` on a CPU torch.
+NO_EMIT: dict[str, tuple[str, ...]] = {"vllm": ("torchvision", "torchaudio", "torchcodec")}
 
 
 def uv_command() -> list[str]:
@@ -130,8 +47,6 @@ def uv_command() -> list[str]:
     Raises:
         UserError: neither exists.
     """
-    from orchestrator.ops.carry import uv_binary_path
-
     return [uv_binary_path()]
 
 
@@ -168,6 +83,8 @@ def compile_argv(
         argv += ["--find-links", link]
     for pkg in upgrade_packages:
         argv += ["--upgrade-package", pkg]
+    for pkg in NO_EMIT.get(profile, ()):
+        argv += ["--no-emit-package", pkg]
     return argv
 
 
@@ -219,9 +136,6 @@ def compile_lock(
         UserError: bad profile name, or no `<profile>.in`.
         RemoteCommandError: uv failed (the message carries uv's last lines: the resolution error).
     """
-    from orchestrator.inventory import check_name
-    from orchestrator.transport.local import LocalTransport
-
     check_name("lock profile", profile)
     if not (find_links or index_url or extra_index_urls):
         defaults = DEFAULT_SOURCES.get(profile, {})

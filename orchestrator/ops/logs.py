@@ -11,6 +11,7 @@ its lines are neither shown nor counted, and the next exec sends them again, onc
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from typing import Any
 from orchestrator.agent.events import Data, Event, Heartbeat, Metrics, RunInfo, Truncated
 from orchestrator.agent.requests import TailAnswer
 from orchestrator.errors import AgentError, ConnectError, RemoteCommandError, RunNotFound, UserError
+from orchestrator.ops import placement
+from orchestrator.records import printed_offset, save_printed_offset
 
 # Outcome -> process exit code (README, `dflashctl logs --help`).
 EXIT_SUCCEEDED = 0
@@ -150,8 +153,9 @@ class _Follower:
     """State of one follow across reconnects. Events are handled on the transport's reader thread, one at a
     time and in order; the offsets only move after an event is fully handled."""
 
-    def __init__(self, *, on_line, on_match, on_alert, on_event, matcher, health):
+    def __init__(self, *, on_line, on_match, on_alert, on_event, matcher, health, on_offset=None):
         self.on_line = on_line
+        self.on_offset = on_offset
         self.on_match = on_match
         self.on_alert = on_alert
         self.on_event = on_event
@@ -195,6 +199,12 @@ class _Follower:
                 self._alerts(self.health.heartbeat(ev))
         elif isinstance(ev, Truncated):
             self.log_offset = 0
+            self._printed(0)
+
+    def _printed(self, offset: int) -> None:
+        """Every line before `offset` has been handed to on_line: say so (the workstation keeps it)."""
+        if self.on_offset is not None:
+            self.on_offset(offset)
 
     def _run(self, ev: RunInfo) -> None:
         self.run_id = ev.run_id or self.run_id
@@ -234,6 +244,7 @@ class _Follower:
             if self.on_line is not None:
                 self.on_line(line)
         self.log_offset = end
+        self._printed(end)
         if self.health is not None:
             self._alerts(self.health.log_activity(end))
 
@@ -288,7 +299,7 @@ def follow(
     follow: bool = True,
     on_line: Callable[[str], None] | None = None, on_match: Callable[[Any], None] | None = None,
     on_alert: Callable[[Any], None] | None = None, on_status: Callable[[str], None] | None = None,
-    on_event: Callable[[Event], None] | None = None,
+    on_event: Callable[[Event], None] | None = None, on_offset: Callable[[int], None] | None = None,
     matcher=None, health=None, backoff: Backoff | None = None,
     heartbeat: float = 2.0, heartbeat_timeout: float | None = None, baseline: bool = True,
     sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None,
@@ -305,6 +316,8 @@ def follow(
         on_line / on_match / on_alert / on_status / on_event: called with each log line (no newline;
             exactly once, in order), signature match (`matcher.feed_line`), monitor alert (`health`), human
             note ("connection lost; reconnecting in 2.1 s"), raw agent event (for --json).
+        on_offset: called with the byte offset just past the last line handed to on_line, after each chunk
+            (0 when the log was truncated and starts again).
         matcher: object with `feed_line(line) -> list[Match]` and optionally `finish() -> list[Match]`.
         health: object with `set_baseline(dict)`, `metrics(records)`, `heartbeat(event)`,
             `log_activity(offset)`, each returning a list of alerts (see LogHealth).
@@ -322,7 +335,7 @@ def follow(
     backoff = backoff or Backoff()
     heartbeat_timeout = heartbeat_timeout if heartbeat_timeout is not None else 5 * heartbeat + 10
     st = _Follower(on_line=on_line, on_match=on_match, on_alert=on_alert, on_event=on_event,
-                   matcher=matcher, health=health)
+                   matcher=matcher, health=health, on_offset=on_offset)
     st.run_id = run_id
     st.experiment = experiment
     if offset:
@@ -435,22 +448,14 @@ def _lost(st: _Follower, reconnects: int, down_s: float, last_error: str) -> Fol
 
 
 def resolve(inv, ref: str | None, target: str | None) -> tuple[str, str | None, str | None]:
-    """Which target and run `dflashctl logs [RUN|EXPERIMENT] [--target T]` means.
+    """(target name, run id or None, experiment or None) of `dflashctl logs [RUN|EXPERIMENT] [--target T]` on
+    one target: the first placement orchestrator.ops.placement.resolve finds (for `metrics`, which reads one).
 
-    Returns:
-        (target name, run id or None, experiment or None): an experiment name in the inventory means its
-        newest run on its target; anything else is a run id (on --target, else the default target).
     Raises:
         UserError: the name is not a safe run id.
     """
-    from orchestrator.inventory import check_run_ref
-
-    if ref is not None:
-        check_run_ref(ref, "run id or experiment")
-        if ref in inv.experiments:
-            exp = inv.experiments[ref]
-            return target or exp.target, None, ref
-    return target or inv.default_target(), ref, None
+    where = placement.resolve(inv, ref, target)
+    return where.placements[0].target, where.run_id, where.experiment
 
 
 class LogHealth:
@@ -529,43 +534,51 @@ def _notify(inv, kind: str, run_id: str | None, experiment: str | None, message:
     from orchestrator.notify import EVENT_KINDS, make_event, notify
 
     if kind in EVENT_KINDS:
-        notify(cfg, make_event(kind, run_id, experiment=experiment, message=message, diagnosis=diagnosis, **extra))
-
-
-def _run_across_targets(ref: str | None) -> dict | None:
-    """The workstation record of `ref` when it is a run across targets (it lists nodes), else None."""
-    from orchestrator.errors import RunNotFound
-    from orchestrator.records import find_record
-
-    if ref is None:
-        return None
-    try:
-        rec = find_record(ref)
-    except RunNotFound:
-        return None
-    return rec if rec.get("nodes") else None
+        event = make_event(kind, run_id, experiment=experiment, message=message, diagnosis=diagnosis, **extra)
+        for failed in (o for o in notify(cfg, event) if not o.ok):  # one warning per failed channel, on stderr
+            print(failed.warning(kind, inv.source), file=sys.stderr, flush=True)
 
 
 def logs(inv, ref: str | None = None, *, target: str | None = None, following: bool = True, tail: int | None = None,
-         on_line=None, on_match=None, on_alert=None, on_status=None, on_event=None,
+         resume: bool = False, on_line=None, on_match=None, on_alert=None, on_status=None, on_event=None,
          backoff: Backoff | None = None) -> FollowOutcome:
-    """The whole `dflashctl logs` verb: resolve, open the target, match signatures, watch health, notify.
+    """The whole `dflashctl logs` verb: resolve the run's placements (orchestrator.ops.placement), follow each
+    (one stream for a run across targets), match signatures, watch health, notify. Every line printed moves
+    the run's printed offset (orchestrator.records.save_printed_offset); with `resume`, a placement whose
+    offset is known starts there instead of at `tail`.
 
     Raises:
-        RunNotFound, UserError, InventoryError, ConnectError: as `follow` and `resolve`.
+        RunNotFound, UserError, InventoryError, ConnectError: as `follow` and the resolution.
     """
     if tail is not None and tail < 0:
         raise UserError(f"--tail must be >= 0, got {tail}", fix="dflashctl logs RUN --tail 100")
-    across = _run_across_targets(ref) if target is None else None
-    if across is not None:  # one stream of every node's log (orchestrator.ops.nodes)
-        from orchestrator.ops.nodes import follow_nodes
+    where = placement.resolve(inv, ref, target)
+    if where.across:  # one stream of every node's log
+        return follow_placements(inv, where, tail=tail, resume=resume, following=following, on_line=on_line,
+                                 on_status=on_status, backoff=backoff)
+    return _logs_one(inv, where, tail=tail, resume=resume, following=following, on_line=on_line,
+                     on_match=on_match, on_alert=on_alert, on_status=on_status, on_event=on_event, backoff=backoff)
 
-        return follow_nodes(inv, across, tail=tail, following=following, on_line=on_line, on_status=on_status,
-                            backoff=backoff)
-    target_name, run_id, experiment = resolve(inv, ref, target)
-    from orchestrator.target import open_target
 
-    tgt = open_target(inv, target_name)
+def _start(run_id: str | None, target: str, tail: int | None, resume: bool) -> dict:
+    """follow's start arguments: after the last line printed here (resume, and an offset is known), else `tail`."""
+    offset = printed_offset(run_id, target) if resume and run_id else None
+    return {"tail": tail} if offset is None else {"offset": offset, "tail": None}
+
+
+def _mark(run_id: str | None, target: str, seen: dict):
+    """on_offset of a follow: the printed offset saved under the run's id (named by the agent if not given)."""
+    def save(offset: int) -> None:
+        rid = run_id or seen.get("run_id")
+        if rid:
+            save_printed_offset(rid, target, offset)
+    return save
+
+
+def _logs_one(inv, where, *, tail, resume, following, on_line, on_match, on_alert, on_status, on_event,
+              backoff) -> FollowOutcome:
+    """`logs` of a run on one target."""
+    place = where.placements[0]
     matcher = build_matcher(inv)
     seen: dict = {}
 
@@ -582,15 +595,15 @@ def logs(inv, ref: str | None = None, *, target: str | None = None, following: b
         if on_event is not None:
             on_event(ev)
 
-    try:
+    with placement.opened(inv, [place.target]) as (tgt,):
         outcome = follow(
-            tgt, run_id, experiment=experiment, tail=tail, follow=following, on_line=on_line,
+            tgt, where.run_id, experiment=where.experiment, follow=following, on_line=on_line,
             on_match=(lambda m: on_match(explain(matcher, m))) if on_match is not None else None,
             on_alert=alert, on_status=on_status, on_event=event, matcher=matcher,
+            on_offset=_mark(where.run_id, place.target, seen),
             health=LogHealth(inv.monitor) if following else None, backoff=backoff,
+            **_start(where.run_id, place.target, tail, resume),
         )
-    finally:
-        tgt.close()
     _exit_match(matcher, outcome)
     outcome.matches = [explain(matcher, m) for m in outcome.matches]
     # A stopped run is no news to whoever stopped it: no notification.
@@ -601,3 +614,86 @@ def logs(inv, ref: str | None = None, *, target: str | None = None, following: b
         _notify(inv, kind, outcome.run_id, outcome.experiment, message, first,
                 exit_code=(outcome.exit or {}).get("exit_code"), state=outcome.state)
     return outcome
+
+
+# ----------------------------------------------------------------------------- a run across targets
+
+
+class _Cancelled(Exception):
+    """A node's follow was called off (its container is gone; the run ended elsewhere)."""
+
+
+LOST_NODE_GRACE_S = 60.0
+"""After one node's run ended failed, how long the follow waits for the others' exit.json (torch ends their
+ranks within seconds) before it stops waiting for a node it cannot reach."""
+
+_WORST = {"failed": 0, "crashed": 1, "lost": 2, "stopped": 3, "running": 4, "succeeded": 5}
+
+
+def follow_placements(inv, where, *, tail: int | None = None, resume: bool = False, following: bool = True,
+                      on_line: Callable[[str], None] | None = None, on_status: Callable[[str], None] | None = None,
+                      backoff=None) -> FollowOutcome:
+    """`logs` of a run across targets (`where`: its RunPlacements): every node's log followed at once (one
+    thread each, each with its own reconnects, so a cut to one node does not stop the others), every line as
+    `[TARGET] <line>` (the trainer's own prefix names the node's rank); ends when every node's run has ended,
+    or, once one ended failed, when a node it names as lost (or any node, after LOST_NODE_GRACE_S) still
+    cannot be reached. Returns the run's outcome: the worst node's, with the run's root cause (run_cause).
+    """
+    places = where.placements
+    lock, cancel = threading.Lock(), [threading.Event() for _ in places]
+    outcomes: list = [None] * len(places)
+
+    def emit(fn, text: str) -> None:
+        if fn is not None:
+            with lock:
+                fn(text)
+
+    def sleep_or_cancel(i: int, seconds: float) -> None:
+        if cancel[i].wait(seconds):
+            raise _Cancelled()
+
+    def one(i: int) -> None:
+        name = places[i].target
+        try:
+            with placement.opened(inv, [name]) as (tgt,):
+                outcomes[i] = follow(tgt, where.run_id, experiment=where.experiment, follow=following, matcher=build_matcher(inv),
+                                     on_line=lambda text: emit(on_line, f"[{name}] {text}"),
+                                     on_status=lambda text: emit(on_status, f"[{name}] {text}"),
+                                     on_offset=_mark(where.run_id, name, {}), backoff=backoff,
+                                     sleep=lambda s: sleep_or_cancel(i, s),
+                                     **_start(where.run_id, name, tail, resume))
+        except _Cancelled:
+            outcomes[i] = FollowOutcome(where.run_id, where.experiment, "lost",
+                                        error=f"node {i} ({name}) unreachable after the run ended elsewhere")
+        _call_off(i, outcomes, cancel)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(places))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return _run_outcome(outcomes)
+
+
+def _call_off(i: int, outcomes: list, cancel: list) -> None:
+    """Node i's follow ended: when its run failed, stop waiting for the node it names as lost at once, and
+    for every other node after LOST_NODE_GRACE_S (a timer)."""
+    out = outcomes[i]
+    if out is None or out.state not in ("failed", "crashed"):
+        return
+    lost = ((out.exit or {}).get("root_cause") or {}).get("lost") or {}
+    if isinstance(lost.get("node"), int) and 0 <= lost["node"] < len(cancel):
+        cancel[lost["node"]].set()
+    timer = threading.Timer(LOST_NODE_GRACE_S, lambda: [c.set() for c in cancel])
+    timer.daemon = True
+    timer.start()
+
+
+def _run_outcome(outcomes: list) -> FollowOutcome:
+    """The worst node's outcome, its exit carrying the run's root cause."""
+    worst = min((o for o in outcomes if o is not None), key=lambda o: _WORST.get(o.state, 0))
+    cause = placement.run_cause([o.exit for o in outcomes if o is not None])
+    if cause is not None and worst.exit is not None:
+        worst.exit = {**worst.exit, "root_cause": cause}
+    worst.matches = [m for o in outcomes if o is not None for m in o.matches]
+    return worst

@@ -31,6 +31,8 @@ class MetricsSeries:
     """series name -> (steps, values)"""
     panels: dict[str, list[str]] = field(default_factory=dict)
     """panel title -> the series drawn in it"""
+    notes: list[str] = field(default_factory=list)
+    """lines printed under the charts: the target/drafter balance, vLLM's verdict on the export"""
 
 
 def fetch_metrics(target, run_id: str | None = None, *, experiment: str | None = None, max_rows: int = 2000) -> MetricsSeries:
@@ -109,6 +111,11 @@ def series_from_rows(run_id: str, rows: list[dict], total: int | None = None) ->
         if xs:
             out.series[title] = (xs, ys)
             out.panels[title] = [title]
+    out.notes = run_notes(rows)
+    regen = regen_series(rows)
+    if regen:
+        out.series.update(regen)
+        out.panels.update({title: [title] for title in regen})
     real = _real_tau(rows)
     if real:
         out.series.update(real)
@@ -116,6 +123,45 @@ def series_from_rows(run_id: str, rows: list[dict], total: int | None = None) ->
         out.panels.pop("simulated τ", None)
         out.panels[TAU_PANEL] = sim + list(real)
     return out
+
+
+REGEN_PANELS = ("regeneration tokens/s", "regeneration done (fraction of conversations)")
+
+
+def regen_series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """The data stage's progress (trainer.regenerate's `kind: regen` records) against its elapsed seconds:
+    tokens/s of all engines, and the fraction of the conversations done. Empty when the run regenerated nothing."""
+    xs, rate, done = [], [], []
+    for row in rows:
+        if row.get("kind") != "regen" or not row.get("regen_conversations_total"):
+            continue
+        xs.append(float(row.get("regen_elapsed_s") or 0.0))
+        rate.append(float(row.get("regen_tokens_per_s") or 0.0))
+        done.append(row.get("regen_conversations", 0) / row["regen_conversations_total"])
+    return {REGEN_PANELS[0]: (xs, rate), REGEN_PANELS[1]: (xs, done)} if xs else {}
+
+
+def run_notes(rows: list[dict]) -> list[str]:
+    """What a run's records say beyond the charts: which side of a split layout waits and the split the rates
+    suggest (orchestrator.balance, from the trainer's `facts` record), and the export judged in vLLM
+    (`eval_vllm` records of `python -m trainer eval --engine vllm --metrics ...`) beside the project's τ."""
+    from orchestrator.balance import from_records
+
+    notes: list[str] = []
+    facts = next((r for r in rows if r.get("kind") == "facts"), {})
+    bal = from_records(rows, int(facts.get("target_ranks") or 0), int(facts.get("drafter_ranks") or 0))
+    if bal is not None:
+        notes += bal.lines()
+    for rec in (r for r in rows if r.get("kind") == "eval_vllm"):
+        nums = {k: _number(rec.get(k)) for k in ("tau_own", "tau_vllm", "tau_vllm_pooled", "tokens_per_s_plain",
+                                                  "tokens_per_s_spec", "speedup")}
+        if None in nums.values():
+            continue
+        notes.append(
+            f"vLLM: τ {nums['tau_vllm']:.3f} per-prompt mean ({nums['tau_vllm_pooled']:.3f} pooled) against the "
+            f"project's {nums['tau_own']:.3f}; lossless {'yes' if rec.get('lossless') else 'NO'}; "
+            f"{nums['tokens_per_s_plain']:.1f} -> {nums['tokens_per_s_spec']:.1f} tokens/s ({nums['speedup']:.2f}x)")
+    return notes
 
 
 def render_terminal(ms: MetricsSeries, width: int = 100, height: int = 12) -> str:

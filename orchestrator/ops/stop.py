@@ -1,114 +1,78 @@
-"""stop: end a run gracefully (SIGINT, SIGTERM after a grace period, then SIGKILL), in one agent call."""
+"""stop: end a run gracefully on every one of its placements (one agent call each, in parallel for a run across
+targets; orchestrator.ops.runstop is the action on one target)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.agent.requests import DEFAULT_GRACE_S, StopAnswer, StopRequest
-from orchestrator.errors import AgentError, RunNotFound
+from orchestrator.agent.requests import DEFAULT_GRACE_S
+from orchestrator.ops.placement import Placement, each, opened, resolve, run_cause
+from orchestrator.ops.runstop import StopResult, stop
 
 if TYPE_CHECKING:
     from orchestrator.agent.events import Event
 
-
-
-def requested_by(verb: str = "dflashctl stop") -> dict:
-    """Who stops a run, as its stop.json and exit.json record it: {by: user@workstation, via: the verb}."""
-    import getpass
-    import socket
-
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry and no $USER: a container's uid
-        user = f"uid{os.getuid()}"
-    return {"by": f"{user}@{socket.gethostname()}", "via": verb}
+__all__ = ["NodeStop", "RunStop", "StopResult", "stop", "stop_placements", "stop_run"]
 
 
 @dataclass
-class StopResult:
+class NodeStop:
+    """What the stop did on one placement: its result, or the error that kept it from one."""
+
+    placement: Placement
+    result: StopResult | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class RunStop:
+    """What `dflashctl stop` did: one NodeStop per placement (one for a run on one target)."""
+
     run_id: str
-    state: str
-    """The run's state afterwards: stopped (the stop ended it; exit["stopped"] says by whom and when), or
-    succeeded / failed / crashed when it had already ended."""
-    signals: list[str]
-    """Signals sent, in order (empty when the run had already ended)."""
-    already_ended: bool
-    exit: dict | None
-    session: str | None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    nodes: list[NodeStop]
+    across: bool = False
+    """The run spans several targets (each node is reported on its own)."""
 
 
-def stop(
-    target,
-    run_id: str,
-    *,
-    grace_s: float = DEFAULT_GRACE_S,
-    gpus: list[int] | None = None,
-    gpu_idle_mib: int = 1024,
-    on_event: Callable[[Event], None] | None = None,
-    lost_cause: dict | None = None,
-) -> StopResult:
-    """Stop run `run_id` on `target`; with `gpus`, also wait until they are idle again. `lost_cause`: a node
-    of a run across targets that vanished gets exit.json failed with this root cause (orchestrator.ops.nodes).
+def stop_placements(targets: list, run_id: str, placements: list[Placement], *, grace_s: float = DEFAULT_GRACE_S,
+                    gpu_idle_mib: list[int] | None = None,
+                    on_event: Callable[[Event], None] | None = None) -> list[NodeStop]:
+    """Stop run `run_id` on every placement (targets[i] is placements[i]'s, opened), in parallel; each waits
+    for its recorded GPUs. A node that vanished without exit.json (its container was stopped) is then stopped
+    again with the run's root cause (run_cause of the other nodes), so its exit.json says why it failed."""
+    idle = gpu_idle_mib or [1024] * len(placements)
 
-    Raises:
-        UserError: unsafe run id (checked before anything reaches the target).
-        RunNotFound: the target has no such run.
-        AgentError: the run survived SIGKILL, or GPUs stayed busy.
-    """
-    from orchestrator.inventory import check_run_ref
+    def one(i: int, cause: dict | None = None) -> StopResult:
+        return stop(targets[i], run_id, grace_s=grace_s, gpus=placements[i].gpus, gpu_idle_mib=idle[i],
+                    on_event=on_event, lost_cause=cause)
 
-    check_run_ref(run_id)
-    request = StopRequest(run_id=run_id, grace_s=grace_s, gpus=gpus or [], gpu_idle_mib=gpu_idle_mib,
-                          requested_by=requested_by(), lost_cause=lost_cause).to_json()
-    # Worst case: two grace periods, the post-SIGKILL wait, and the GPU release wait.
-    timeout = 2 * grace_s + 60 + (150 if gpus else 0)
-    try:
-        ans = target.agent("stop", request, on_event=on_event, timeout=timeout, answer=StopAnswer)
-    except AgentError as exc:
-        if exc.agent_type == "RunNotFound":
-            raise RunNotFound(exc.message, fix=f"dflashctl status --target {target.name}") from None
-        raise
-    stopped = (ans.exit or {}).get("stopped")  # exit.json: a record the run's wrapper wrote, not the protocol
-    if ans.state == "stopped" and isinstance(stopped, dict):
-        _record(ans.run_id, stopped)
-    return StopResult(run_id=ans.run_id, state=ans.state, signals=ans.signals, already_ended=ans.already_ended,
-                      exit=ans.exit, session=ans.session)
+    out = each(one, len(placements))
+    if len(placements) > 1:
+        cause = run_cause([res.exit if exc is None else None for res, exc in out])
+        if cause is not None:
+            for i, (res, exc) in enumerate(out):
+                if exc is None and res.exit is None:
+                    out[i] = each(lambda _: one(i, cause), 1)[0]
+    return [NodeStop(p, res, exc) for p, (res, exc) in zip(placements, out)]
 
 
 def stop_run(inv, ref: str, *, target: str | None = None, grace_s: float = DEFAULT_GRACE_S,
-             on_event: Callable[[Event], None] | None = None) -> StopResult:
-    """`dflashctl stop`: the run `ref` (a recorded run id, or one the target knows) on `target`, else on the
-    target its record names, else the inventory's default; its recorded GPUs are waited for. A run across
-    targets (its record lists nodes): every node, a list of results (orchestrator.ops.nodes.stop_run)."""
-    from orchestrator.records import find_record
-    from orchestrator.target import open_target
+             on_event: Callable[[Event], None] | None = None) -> RunStop:
+    """`dflashctl stop`: the run `ref` wherever it is placed (orchestrator.ops.placement.resolve: the run's
+    own target(s) from its record, `target` narrowing or naming one); its recorded GPUs are waited for.
 
-    try:
-        rec = find_record(ref)
-    except RunNotFound:
-        rec = {"run_id": ref, "target": target}
-    if rec.get("nodes") and target is None:  # a run across targets: every node (one result each)
-        from orchestrator.ops import nodes
-
-        return nodes.stop_run(inv, rec, grace_s=grace_s, on_event=on_event)
-    tname = target or rec.get("target") or inv.default_target()
-    tgt = open_target(inv, tname)
-    try:
-        return stop(tgt, rec["run_id"], grace_s=grace_s, gpus=rec.get("gpus") or [],
-                    gpu_idle_mib=getattr(inv.target(tname), "gpu_idle_mib", 1024), on_event=on_event)
-    finally:
-        tgt.close()
-
-
-def _record(run_id: str, stopped: dict) -> None:
-    """Note the stop in the workstation records (`dflashctl runs` shows it); a run launched from another
-    workstation has no record here, and that is fine."""
-    from orchestrator.records import record_stopped
-
-    record_stopped(run_id, stopped)
+    Raises:
+        UserError, RunNotFound, AgentError: for a run on one target, as runstop.stop raises them (a run across
+            targets reports each node's error in its NodeStop instead).
+    """
+    where = resolve(inv, ref, target, kind="run id")
+    run_id = where.run_id or ref  # an experiment nothing here recorded: the target is asked for that name
+    with opened(inv, [p.target for p in where.placements]) as targets:
+        nodes = stop_placements(targets, run_id, where.placements, grace_s=grace_s, on_event=on_event,
+                                gpu_idle_mib=[getattr(inv.target(p.target), "gpu_idle_mib", 1024)
+                                              for p in where.placements])
+    if not where.across and nodes[0].error is not None:
+        raise nodes[0].error
+    return RunStop(nodes[0].result.run_id if not where.across else run_id, nodes, where.across)

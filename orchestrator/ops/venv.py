@@ -20,6 +20,7 @@ would work too, but would be invisible to uv and to the fingerprint.)
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -377,9 +378,17 @@ def profile_for(inv, target: str | None, profile: str | None):
 
 
 
+def is_data_venv(inv, profile_name: str) -> bool:
+    """Whether a profile is a data-stage venv: some experiment's `data_venv`, no target's or experiment's `venv`.
+    rebuild-venv builds one beside the trainer's (runcommand.data_venv_workdir), never as the target's `current`."""
+    exps = list(inv.experiments.values())
+    training = {t.venv for t in inv.targets.values()} | {e.venv for e in exps if e.venv}
+    return profile_name not in training and any(getattr(e, "data_venv", None) == profile_name for e in exps)
+
+
 def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False, rollback: bool = False,
                  on_event: EventCallback | None = None, locks_dir: Path | None = None,
-                 timeout: float = 3600.0) -> VenvReport:
+                 timeout: float = 3600.0, data_venv: str | None = None) -> VenvReport:
     """Build (or keep, or roll back) the target's venv from the profile's lock, in ONE target command (two
     when the target lacked the uv or wheels this workstation believed it held).
 
@@ -392,6 +401,8 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
         on_event: receives progress, log and warning events (uv's and apt's lines, the imports) as they come.
         locks_dir: where shipped locks are looked up (tests).
         timeout: seconds for the whole command.
+        data_venv: the profile's name when it is a data-stage venv (is_data_venv): built in its own directory
+            (<workdir>/data-venvs/<name>, sharing the target's uv cache), not as the target's `current`.
     Returns:
         A VenvReport (`action` built / noop / rollback / workstation / system).
     Raises:
@@ -403,10 +414,16 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
     p = as_profile(profile)
     if p is None:
         return VenvReport(profile_kind(profile), target.name, wall_s=time.monotonic() - start)
+    workdir = target.workdir
+    if data_venv is not None:
+        from orchestrator.agent.runcommand import data_venv_workdir
+
+        workdir = data_venv_workdir(target.workdir, data_venv)
+        p = dataclasses.replace(p, uv_cache_dir=p.uv_cache_dir or f"{target.workdir}/uv-cache")
     if rollback:
-        return _finish(target, None, _run_script(target, script_argv("rollback", target.workdir), None, on_event,
+        return _finish(target, None, _run_script(target, script_argv("rollback", workdir), None, on_event,
                                                  timeout), start, 1, [], 0)
-    plan = _BuildPlan(target, p, resolve_lock(p.lock, locks_dir), offline, force)
+    plan = _BuildPlan(target, p, resolve_lock(p.lock, locks_dir), offline, force, workdir)
     events, res = _run_script(target, plan.argv(), plan.stdin(), on_event, timeout)
     commands = 1
     need = events.need if events.final and events.final.get("type") == "NeedFiles" else None
@@ -422,10 +439,12 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
 class _BuildPlan:
     """What one build sends: the argv, and which of uv / the wheelhouse wheels travel inline."""
 
-    def __init__(self, target, profile: UvProfile, lock: LockFile, offline: bool, force: bool):
+    def __init__(self, target, profile: UvProfile, lock: LockFile, offline: bool, force: bool,
+                 workdir: str | None = None):
         from orchestrator.bundle import build_bundle
 
         self.target, self.profile, self.lock, self.offline, self.force = target, profile, lock, offline, force
+        self.workdir = workdir or target.workdir
         bundle = build_bundle()
         self.bundle_hash = bundle.hash
         self.wheel = bundle_wheel(bundle.hash, bundle.data)
@@ -447,7 +466,7 @@ class _BuildPlan:
         if not self.key:
             for d in p.wheelhouse:
                 opts += ["--find-links", os.path.expanduser(d)]
-        return script_argv("build", self.target.workdir, lock_hash=lock.hash, bundle_hash=self.bundle_hash,
+        return script_argv("build", self.workdir, lock_hash=lock.hash, bundle_hash=self.bundle_hash,
                            python=p.python, keep=p.keep, force=self.force, offline=self.offline, cache=p.uv_cache_dir,
                            wheel=self.wheel.name, wheel_sha=self.wheel.sha256,
                            uv_bin="-" if self.key else self.uv.path, uv_version=self.uv.version,
@@ -477,7 +496,7 @@ def rebuild(inv, target: str | None, profile: str | None, **kw) -> tuple[str, st
     tname, pname, prof = profile_for(inv, target, profile)
     tgt = open_target(inv, tname)
     try:
-        return tname, pname, rebuild_venv(tgt, prof, **kw)
+        return tname, pname, rebuild_venv(tgt, prof, data_venv=pname if is_data_venv(inv, pname) else None, **kw)
     finally:
         tgt.close()
 

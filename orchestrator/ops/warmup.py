@@ -11,7 +11,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from orchestrator.agent.requests import WarmupAnswer, WarmupRequest
 from orchestrator.errors import UserError
+from orchestrator.ops.refusal import agent_or_refuse
+from orchestrator.ops.spec import spec_from_inventory
 
 if TYPE_CHECKING:
     from orchestrator.agent.events import Event
@@ -62,12 +65,8 @@ def warmup(
     if spec.kind != "dflash":
         raise UserError(f"experiment {spec.experiment} is kind {spec.kind}: only kind dflash (the bundled trainer) "
                         "has shapes to warm up", fix="warm up a kind dflash experiment")
-    from orchestrator.agent.requests import WarmupAnswer, WarmupRequest
-
     request = WarmupRequest(experiment=spec.experiment, config=spec.config or {}, layout=spec.layout or {},
                             gpu_idle_mib=spec.gpu_idle_mib, device=device).to_json()
-    from orchestrator.ops.launch import agent_or_refuse
-
     ans = agent_or_refuse(target, "warmup", request, REFUSALS, f"warmup {spec.experiment} on {spec.target}",
                           on_event=on_event, timeout=timeout, answer=WarmupAnswer)
     return WarmupResult(experiment=spec.experiment, target=spec.target, cache_dir=ans.cache_dir, dir=ans.dir,
@@ -78,7 +77,6 @@ def warmup_experiment(inv, experiment: str, *, target: str | None = None,
                       on_event: Callable[[Event], None] | None = None, early=None) -> WarmupResult:
     """`dflashctl warmup`: resolve `experiment` (names checked before anything runs), open its target (or
     `target`; `early`: an orchestrator.preconnect.EarlyConnection), warm up, close."""
-    from orchestrator.ops.launch import spec_from_inventory
     from orchestrator.target import open_target
 
     spec = spec_from_inventory(inv, experiment, target)

@@ -38,10 +38,11 @@ EQUIVALENT = Path(__file__).with_name("equivalent.yaml")
 # One mutmut run per module: the file it mutates, the functions in it (mutmut's names:
 # package.module.x_function / package.module.xǁClassǁmethod), and the fast unit tests that exercise them
 # (tests that run the code in another process, through the console script, ssh or a container, cannot see a
-# mutant: they stay in the main suite). `full`: only with --full. The default run is the modules issue 14
-# names (names, quoting, the tailer's offsets, signatures, the loss, export, layout, the launch lock): about
-# 15 min on this shared 2-core machine. Where a module lists functions, those are the ones whose
-# mistakes reach the user (a wrong offset, a wrong loss, a wrong file); the comment says what is left out.
+# mutant: they stay in the main suite). `full`: only with --full. The default run: names, quoting, the tailer's
+# offsets, signatures, the loss, export, layout, the launch lock, then checkpoints, sampling, the monitor, the
+# last good run and the verified-wheels keys (--full adds the follow's reconnect policy). Where a module lists functions,
+# those are the ones whose mistakes reach the user (a wrong offset, a wrong loss, a wrong file); the comment
+# says what is left out.
 MODULES: dict[str, dict] = {
     "names": {
         "files": ["orchestrator/names.py"],
@@ -94,7 +95,7 @@ MODULES: dict[str, dict] = {
         "functions": ["orchestrator.agent.runs.xǁLaunchLockǁ*"],
         "tests": ["tests/orchestrator/agent/test_claims_unit.py"],
     },
-    "gpu claims": {  # --full only: issue 14 names the launch lock, not the claims (~4 min here)
+    "gpu claims": {  # --full only (~4 min here); its owner's rewrite brings its tests into the default run
         "full": True,
         "files": ["orchestrator/agent/claims.py"],
         "functions": ["orchestrator.agent.claims.x__conflicts__*", "orchestrator.agent.claims.x_claim__*",
@@ -135,6 +136,59 @@ MODULES: dict[str, dict] = {
         "functions": ["trainer.layout.*"],
         "tests": ["tests/trainer/test_layout.py"],
     },
+    # -- where a mistake costs a user a run, a venv or a diagnosis (the follow, the monitor, checkpoints, ...)
+    "checkpoint": {  # what resume finds: complete, intact, the newest K kept, a killed swap put back
+        "files": ["trainer/checkpoint.py"],
+        # Not the RNG capture/restore (an exact round-trip test; a mistake fails it every time) nor the fsync
+        # helpers (their loss shows only on a power cut).
+        "functions": ["trainer.checkpoint.xǁCheckpointManagerǁ*"],
+        "tests": ["tests/trainer/test_checkpoint.py", "-k", "not metrics and not rewind"],
+    },
+    "sampling": {  # speculative sampling's acceptance, residual and the bonus token
+        "files": ["trainer/sampling.py"],
+        "functions": ["trainer.sampling.*"],
+        # The chi-square decodes (30 s to a minute each) stay in the main suite; the direct counts are exact.
+        "tests": ["tests/trainer/test_sampling.py", "-k", "not follow_the_target_distribution"],
+    },
+    "monitor": {  # the hang check and the throughput regression against the last good run
+        "files": ["orchestrator/monitor.py"],
+        "functions": ["orchestrator.monitor.xǁHangDetectorǁ*", "orchestrator.monitor.xǁThroughputRegressionǁ*",
+                      "orchestrator.monitor.x_record_time__*", "orchestrator.monitor.x__number__*"],
+        "tests": ["tests/orchestrator/test_monitor.py"],
+    },
+    "tailer (baseline)": {  # the one definition of the last good run
+        "files": ["orchestrator/agent/tailer.py"],
+        "functions": ["orchestrator.agent.tailer.x_last_good_baseline__*", "orchestrator.agent.tailer.x_throughput_summary__*"],
+        "tests": ["tests/orchestrator/agent/test_baseline.py", "tests/orchestrator/agent/test_tail.py",
+                  "-k", "baseline and not real_run"],
+    },
+    "verification skip": {  # the verified-wheels keys and record (venvinfo.verify's use of them: --full)
+        "files": ["orchestrator/agent/importcheck.py"],
+        "functions": ["orchestrator.agent.importcheck.x_python_key__*", "orchestrator.agent.importcheck.x__files_digest__*",
+                      "orchestrator.agent.importcheck.x_requirements__*", "orchestrator.agent.importcheck.x_closures__*",
+                      "orchestrator.agent.importcheck.x_dist_keys__*", "orchestrator.agent.importcheck.x_load_record__*",
+                      "orchestrator.agent.importcheck.x_save_record__*"],
+        "tests": ["tests/orchestrator/agent/test_importcheck.py"],
+    },
+    "verification skip (verify)": {  # --full only: each mutant runs two verifies of a site (~10 s)
+        "full": True,
+        "files": ["orchestrator/agent/venvinfo.py"],
+        "functions": ["orchestrator.agent.venvinfo.x_verify__*"],
+        "tests": ["tests/orchestrator/agent/test_importcheck.py", "-k", "recorded or patch_version"],
+    },
+    "follow (reconnect policy)": {  # --full only: when logs --follow reconnects, gives up, refuses; its exit
+        # codes. Each test follows a real run over real cuts (10 s to a minute on a loaded 2-core machine).
+        "full": True,
+        "files": ["orchestrator/ops/logs.py"],
+        "functions": ["orchestrator.ops.logs.x_follow__*", "orchestrator.ops.logs.x__transient__*",
+                      "orchestrator.ops.logs.xǁBackoffǁdelay__*", "orchestrator.ops.logs.xǁFollowOutcomeǁexit_code__*"],
+        "tests": ["tests/orchestrator/ops/test_follow_reconnect.py", "tests/orchestrator/ops/test_logs.py",
+                  "-k", "backoff or lost_for_good or outages or host_key or stopped_during or outcome_json or no_such_run"],
+    },
+    # Not here: the loop's gradient accumulation (trainer.loop.train_step runs only inside trainer processes,
+    # where mutmut cannot see which test ran it; its mutants are in tests/mutation/hand_mutants.py, with the
+    # venv script's switch, prune and no-op paths). Stopping and the GPU claims join as their tests land
+    # (a module entry here, a floor below).
 }
 
 # What CI mutates (after the main suite, which already takes 11-20 min of CI's 30): see CI_NOTE.
@@ -151,6 +205,8 @@ FLOORS = {
     "names": 98, "quoting": 98, "tailer (offsets)": 99, "follow (client offsets)": 98,
     "signatures (matcher)": 99, "signatures (line scanning)": 0, "launch lock": 99, "gpu claims": 92,
     "objective (loss)": 99, "objective (inputs)": 98, "export": 99, "layout": 99,
+    "checkpoint": 0, "sampling": 0, "monitor": 0, "tailer (baseline)": 0, "verification skip": 0,
+    "verification skip (verify)": 0, "follow (reconnect policy)": 0,
 }
 
 KILLED = {1, 3, 36, 24, -24, 152, 255}  # mutmut's exit codes: failed tests, pytest error, timeouts

@@ -379,3 +379,72 @@ def test_system_profile_and_the_workstation_interpreter_refused_on_containers():
     assert parse_inventory(exp.replace("venv: workstation", "venv: sys")).experiment("c").venv == "sys"
     shipped = load_inventory(REPO / "inventory.yaml")
     assert shipped.venv("system").kind == "system"
+
+
+# ---------------------------------------------------------------- input that must not cost minutes
+
+
+def test_a_nul_byte_is_one_error_line_naming_file_and_line_through_the_installed_script(tmp_path):
+    """A control character in the file: one `FILE:LINE:` error and a fix that removes it when pasted, not a
+    reader traceback."""
+    import shutil
+    import subprocess
+
+    p = tmp_path / "inventory.yaml"
+    p.write_bytes(BASE.replace("  cmd:\n", "  c\x00md:\n").encode())
+    res = subprocess.run([shutil.which("dflashctl"), "--inventory", str(p), "status"], capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    assert "Traceback" not in out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 2, out
+    assert lines[0] == f"error: {p}:{line_of(BASE, '  cmd:')}: control character U+0000 (NUL) at column 4; " \
+        "YAML text cannot hold it"
+    fix = lines[1].removeprefix("fix: ")
+    subprocess.run(["sh", "-c", fix], check=True, cwd=tmp_path, timeout=30)
+    assert "cmd" in load_inventory(p).experiments
+
+
+@pytest.mark.parametrize("char", ["\x07", "\x1b", "\x7f"])
+def test_other_control_characters_name_their_line_and_column(tmp_path, char):
+    """Any character YAML cannot hold is named with its code point, line and column."""
+    text = BASE.replace("ssh: pve1.lan", f"ssh: pve1{char}.lan")
+    msg = load_error(tmp_path, text)
+    assert msg.splitlines() == [f"{tmp_path / 'inventory.yaml'}:{line_of(BASE, 'ssh: pve1.lan')}: control "
+                                f"character U+{ord(char):04X} at column 14; YAML text cannot hold it"]
+
+
+def test_yaml_aliases_are_refused_at_the_alias_line(tmp_path):
+    """An alias (the stuff of a 300-byte alias bomb that expands to billions of entries) is refused with the
+    alias's own line, before anything walks the document."""
+    text = BASE.replace("    gpus: [0, 1]\n", "    gpus: &g [0, 1]\n") + "  cmd2:\n    kind: command\n" \
+        "    target: ct200\n    command: [python]\n    gpus: *g\n"
+    with pytest.raises(InventoryError) as info:
+        load_inventory(write(tmp_path, text))
+    msg = info.value.message
+    assert msg == f"{tmp_path / 'inventory.yaml'}:{line_of(text, 'gpus: *g')}: YAML alias *g: anchors and " \
+        "aliases are not accepted in an inventory (a few aliases can expand to billions of entries)"
+    assert "*g" in info.value.fix
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path):
+    """The classic nine-level alias bomb is refused on its first alias (line 2), before any expansion."""
+    bomb = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    for level, prev in zip("bcdefghi", "abcdefgh"):
+        bomb.append(f"{level}: &{level} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]")
+    msg = load_error(tmp_path, "\n".join(bomb) + "\n")
+    assert msg.startswith(f"{tmp_path / 'inventory.yaml'}:2: YAML alias *a:")
+
+
+def test_the_loader_is_libyaml_and_keeps_lines(tmp_path):
+    """The C parser (PyYAML's pure-Python composer took minutes on a 10 MB file; bench/inventory_load.py
+    measures it) still gives every key its line."""
+    import yaml
+
+    from orchestrator import inventory
+
+    assert issubclass(inventory._Loader, yaml.CSafeLoader)
+    inv = load_inventory(write(tmp_path, BASE))
+    assert inv.line_of("experiments", "cmd", "gpus") == line_of(BASE, "gpus: [0, 1]")
+    assert inv.line_of("targets", "ct200", "ctid") == line_of(BASE, "ctid: 200")

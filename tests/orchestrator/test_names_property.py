@@ -1,4 +1,4 @@
-"""Property tests of the one name rule (orchestrator.names), issue 14: every experiment and tag that launch
+"""Property tests of the one name rule (orchestrator.names): every experiment and tag that launch
 accepts makes run ids that EVERY consumer accepts and finds (the workstation's check, the agent's check and
 run lookup, the run records, tmux's session naming and attach's exact target), and nothing with a newline, a
 slash or `..` ever passes, whatever surrounds it (fullmatch, not `$`)."""

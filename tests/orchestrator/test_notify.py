@@ -22,7 +22,7 @@ def server():
         def do_POST(self):  # noqa: N802 - http.server API
             body = self.rfile.read(int(self.headers["Content-Length"]))
             received.append({"path": self.path, "type": self.headers["Content-Type"], "body": json.loads(body)})
-            self.send_response(503 if self.path == "/down" else 200)
+            self.send_response(503 if self.path.startswith("/down") else 200)
             self.end_headers()
 
         def log_message(self, *args):
@@ -77,3 +77,56 @@ def test_failures_are_reported_not_raised(server, tmp_path):
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="unknown notification kind"):
         make_event("exploded", "r1")
+
+
+def test_redacted_urls_keep_only_where_they_go():
+    """A webhook's secret (user part, path token, query) never reaches a message."""
+    from orchestrator.notify import redact_url
+
+    assert redact_url("https://hooks.slack.com/services/T0/B0/s3cr3t") == "https://hooks.slack.com/..."
+    assert redact_url("http://user:pw@10.0.0.5:8080/?token=s3cr3t") == "http://10.0.0.5:8080/..."
+    assert redact_url("https://example.org") == "https://example.org"
+    assert redact_url("not a url") == "<not a URL>"
+
+
+def test_a_failed_webhook_prints_one_warning_without_its_secret(tmp_path, server, dflashctl):
+    """`logs --follow` of a finished run whose webhook answers 503: the run's outcome and exit code are
+    unchanged, and stderr holds exactly one warning naming the channel, the host (not the URL's token) and
+    what to check."""
+    url, received = server
+    work = tmp_path / "work" / "runs" / "r-ok"
+    work.mkdir(parents=True)
+    (work / "run.json").write_text(json.dumps({"experiment": "tiny", "run_id": "r-ok", "created": "r-ok"}))
+    (work / "train.log").write_text("fine\n")
+    (work / "exit.json").write_text(json.dumps({"exit_code": 0, "signal": None}))
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(f"notify: {{webhook: '{url}/down/s3cr3t-token?key=hunter2'}}\n"
+                   f"targets:\n  local: {{kind: local, workdir: {tmp_path / 'work'}}}\n"
+                   "experiments:\n  tiny: {kind: dflash, target: local}\n")
+    res = dflashctl("--inventory", str(inv), "logs", "r-ok", "--follow")
+    assert res.returncode == 0, res.stderr
+    assert len(received) == 1  # it was sent, and refused
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    host = url.removeprefix("http://")
+    assert warnings == [f"warning: the completion notification by webhook failed: http://{host}/... answered "
+                        "HTTP 503 Service Unavailable; fix: check the receiving service (notify.webhook)"]
+    assert "s3cr3t" not in res.stderr + res.stdout and "hunter2" not in res.stderr + res.stdout
+
+
+def test_a_failed_command_prints_one_warning(tmp_path, dflashctl):
+    """A notify command that is missing: one warning naming it and the fix."""
+    work = tmp_path / "work" / "runs" / "r-bad"
+    work.mkdir(parents=True)
+    (work / "run.json").write_text(json.dumps({"experiment": "tiny", "run_id": "r-bad", "created": "r-bad"}))
+    (work / "train.log").write_text("ValueError: nope\n")
+    (work / "exit.json").write_text(json.dumps({"exit_code": 5, "signal": None}))
+    inv = tmp_path / "inv.yaml"
+    missing = tmp_path / "no-such-notifier"
+    inv.write_text(f"notify: {{command: ['{missing}']}}\n"
+                   f"targets:\n  local: {{kind: local, workdir: {tmp_path / 'work'}}}\n"
+                   "experiments:\n  tiny: {kind: dflash, target: local}\n")
+    res = dflashctl("--inventory", str(inv), "logs", "r-bad", "--follow")
+    assert res.returncode == 1, res.stderr
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: the crash notification by command failed: {str(missing)!r} not found; fix: "
+                        "give notify.command an existing program"]

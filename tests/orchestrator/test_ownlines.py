@@ -1,5 +1,5 @@
 """The log belongs to the run: dflashctl's own lines in train.log carry the run's mark and are never matched
-against crash signatures; the command line is written quoted on ONE line (issue 10, item 6)."""
+against crash signatures; the command line is written quoted on ONE line."""
 
 from __future__ import annotations
 

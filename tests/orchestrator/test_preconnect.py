@@ -59,8 +59,8 @@ def test_a_connection_made_for_other_settings_is_closed_not_used(fake_pve, tmp_p
     early = preconnect.start(str(path), "ct")
     other = HostKey.of("pve", load_inventory(path).host("pve"))
     other = HostKey(other.name, other.ssh, other.port, "someoneelse", other.identity_file, other.known_hosts)
-    assert early.take(other) is None
-    assert early.take(early.key) is None  # handed over (here: closed) once
+    assert early.take(other.name, other) is None
+    assert early.take(early.key.name, early.key) is None  # handed over (here: closed) once
 
 
 def test_an_unknown_host_key_met_early_is_the_error_open_target_raises(fake_pve, tmp_path):

@@ -1,4 +1,4 @@
-"""Property tests of the one quoting function (orchestrator.quoting), issue 14: ANY text a command
+"""Property tests of the one quoting function (orchestrator.quoting): ANY text a command
 line can carry arrives byte-exact as one argv element through the local shell, through ssh (the fake host's
 real sshd and its login shell) and through ssh + `pct exec`; a NUL byte, which no argv can carry, is refused
 by name before anything runs. Each example is one exec carrying a whole list of strings, so the ssh and pct

@@ -407,3 +407,49 @@ def test_a_line_holding_two_ranks_tracebacks_follows_the_first_ranks_tag(catalog
     # every line is kept as written, trailing blanks and a final X too (only the newline is cut)
     assert event.lines == lines and event.exception == "ValueError: no layer X"
     assert event.last_frame.function == "step"
+
+
+# ---------------------------------------------------------------- the inventory's own patterns
+
+
+SLOW = {"id": "slow-one", "patterns": [r"(a|aa)+$"], "severity": "error", "title": "slow",
+        "diagnosis": "d", "fix": "f"}
+
+
+def test_a_backtracking_inventory_pattern_is_bounded_named_once_and_skipped():
+    """A user pattern with catastrophic backtracking costs at most the bound per line, then its signature is
+    skipped (one warning naming it); the shipped signatures go on matching."""
+    warnings: list[str] = []
+    catalogue = load_catalogue([SLOW])
+    catalogue.on_warning = warnings.append
+    m = Matcher(catalogue)
+    assert m.feed_line("a" * 60 + "!") == [] and m.feed_line("a" * 60 + "!") == []
+    hits = m.feed_line("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert [h.signature for h in hits] == ["cuda-oom"]
+    assert catalogue.timed_out == {"slow-one": r"(a|aa)+$"}
+    assert len(warnings) == 1 and "'slow-one'" in warnings[0] and "(a|aa)+$" in warnings[0]
+    # Still a working signature on a line it matches quickly.
+    assert [h.signature for h in Matcher(load_catalogue([SLOW])).feed_line("aaaa")] == ["slow-one"]
+
+
+def test_diagnose_with_a_backtracking_inventory_pattern_ends_with_one_warning(tmp_path, dflashctl):
+    """`dflashctl diagnose` through the installed script: the backtracking pattern (which `re` would run for
+    ever on this line) is named in one warning and the log's CUDA OOM is still the diagnosis."""
+    import yaml
+
+    log = tmp_path / "train.log"
+    log.write_text("step 1\n" + "a" * 60 + "!\n" + "a" * 60 + "!\n"
+                   "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"targets": {"local": {"kind": "local"}}, "signatures": [SLOW]}))
+    res = dflashctl("--inventory", str(inv), "diagnose", str(log), timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "cuda-oom" in res.stdout + res.stderr
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "'slow-one'" in warnings[0] and "fix:" in warnings[0]
+
+
+def test_an_inventory_pattern_never_enters_the_unbounded_prefilter():
+    """The prefilter runs on `re` without a bound: an inventory pattern gives it only its literal run."""
+    catalogue = load_catalogue([SLOW, {**SLOW, "id": "lit-one", "patterns": [r"ERROR (a|aa)+$"]}])
+    assert "(a|aa)" not in catalogue.prefilter.pattern and "ERROR\\ " in catalogue.prefilter.pattern

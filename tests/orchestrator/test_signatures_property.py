@@ -1,4 +1,4 @@
-"""Property tests of the signature matcher (orchestrator.signatures), issue 14: a known traceback from
+"""Property tests of the signature matcher (orchestrator.signatures): a known traceback from
 tests/fixtures/signatures/, placed anywhere among arbitrary healthy training output, is found exactly once,
 with its own signature, at its own line, also when it is chained and when every line carries torchrun's
 `[rankN]: ` tag; healthy output alone never matches. The block scanner (`diagnose`'s fast path) must agree

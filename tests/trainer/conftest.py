@@ -61,6 +61,10 @@ def llama_target() -> TargetModel:
     return build_target("llama", layers=4, layer_ids=(0, 1, 2), seed=1)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: needs the vLLM venv ($DFLASHCTL_VLLM_PYTHON); .ci/run runs these after the suite")
+
+
 def small_model_config(**overrides) -> ModelConfig:
     """Drafter geometry for tests: 2 layers, block 4, SDPA (float32: DFlashDrafter.from_target's default)."""
     base = dict(block_size=4, num_draft_layers=2, attention_backend="sdpa")

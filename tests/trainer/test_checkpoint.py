@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from trainer.checkpoint import CheckpointManager, _sha256, capture_rng_state, restore_rng_state
 from trainer.metrics import MetricsWriter, read_metrics, rewind_metrics
 
 
@@ -138,3 +138,78 @@ def test_rewind_drops_records_after_the_resumed_step(tmp_path):
     assert rewind_metrics(p, 5) == 2
     assert [r.get("step") for r in read_metrics(p)] == [1, 2, 3, 4, 5, None]
     assert rewind_metrics(p, 5) == 0
+
+
+def test_keep_1_pruning_never_counts_a_folder_without_meta_json(tmp_path):
+    """A step folder without meta.json (a half copy, a disk that lost it) beside complete ones is not complete:
+    pruning to the newest 1 keeps the newest COMPLETE checkpoint, and resume loads it."""
+    root = tmp_path / "ck"
+    m = CheckpointManager(root, keep=1)
+    m.save(10, _state(10))
+    half = root / "step_00000050"
+    half.mkdir()
+    (half / "state.pt").write_bytes(b"half a copy")
+    m.save(20, _state(20))
+    assert [c.step for c in m.list_complete()] == [20]
+    assert (root / "step_00000020" / "meta.json").exists() and not (root / "step_00000010").exists()
+    step, state = m.load_latest()
+    assert step == 20 and torch.equal(state["model"]["w"], torch.full((4, 4), 20.0))
+
+
+def test_a_hash_valid_state_that_does_not_unpickle_is_skipped(tmp_path, capsys):
+    """state.pt whose size and sha256 match meta.json but that torch.load refuses (not a pickle, or one that
+    weights_only=True rejects): resume skips it with a warning and loads the older checkpoint, never crashes."""
+    root = tmp_path / "ck"
+    m = CheckpointManager(root, keep=5)
+    m.save(10, _state(10))
+    for step, payload in ((20, b"not a torch file at all" * 10), (30, None)):
+        d = root / f"step_{step:08d}"
+        d.mkdir()
+        f = d / "state.pt"
+        if payload is None:
+            torch.save({"obj": random.Random(1)}, f)  # a pickled class instance: weights_only refuses it
+        else:
+            f.write_bytes(payload)
+        meta = {"step": step, "files": {"state.pt": {"size": f.stat().st_size, "sha256": _sha256(f)}}}
+        (d / "meta.json").write_text(json.dumps(meta))
+    step, state = m.load_latest()
+    assert step == 10 and torch.equal(state["model"]["w"], torch.full((4, 4), 10.0))
+    err = capsys.readouterr().err
+    assert "step_00000030" in err and "step_00000020" in err and err.count("does not load") == 2
+
+
+def _kill_at_the_swap(root, step: int) -> subprocess.CompletedProcess:
+    """Save `step` again in a real process that is SIGKILLed the moment the new folder would move to its final
+    name (after whatever the save did to the old one before)."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from pathlib import Path
+        import trainer.checkpoint as ck
+        real_rename = os.rename
+        def dying_rename(src, dst):
+            if Path(dst).name == "step_{step:08d}" and Path(src).name.startswith(".tmp-"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_rename(src, dst)
+        ck.os.rename = dying_rename
+        ck.CheckpointManager({str(root)!r}, keep=1).save({step}, {{"model": {{"w": torch.full((4, 4), 99.0)}}}})
+        """
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True)
+
+
+def test_a_same_step_resave_killed_in_the_middle_keeps_the_step(tmp_path, capsys):
+    """A resumed run saving a step it had saved already, SIGKILLed between moving the old folder aside and moving
+    the new one in (keep 1: no older checkpoint to fall back to): the step is still resumed, the old copy put
+    back under its name, and the next save works."""
+    root = tmp_path / "ck"
+    CheckpointManager(root, keep=1).save(7, _state(7))
+    proc = _kill_at_the_swap(root, 7)
+    assert proc.returncode == -9, proc.stderr.decode()
+    m = CheckpointManager(root, keep=1)
+    got = m.load_latest()
+    assert got is not None, sorted(p.name for p in root.iterdir())
+    assert got[0] == 7 and torch.equal(got[1]["model"]["w"], torch.full((4, 4), 7.0))
+    assert "recovered" in capsys.readouterr().err
+    m.save(8, _state(8))
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000008"]

@@ -15,14 +15,13 @@ from trainer.data import (
     Sample,
     SkipReport,
     build_step,
-    greedy_generate,
     plan_epoch,
     read_conversations,
-    regenerate,
     target_features,
     tokenize,
     tokenize_conversation,
 )
+from trainer.engines import greedy_generate, regenerate
 from trainer.tiny import build_target_model, build_tokenizer
 
 CFG = TinyTargetConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=8, num_prompts=8, held_out=2)

@@ -157,3 +157,62 @@ def test_plan_steps_are_the_same_for_every_rank_and_batches_are_padded():
     assert padded_rows([[1], [2]], 4) == [[1], [2], [], []]
     assert torch.equal(torch.rand(3, generator=anchor_generator(0, 5)), torch.rand(3, generator=anchor_generator(0, 5)))
     assert not torch.equal(torch.rand(3, generator=anchor_generator(0, 5)), torch.rand(3, generator=anchor_generator(0, 6)))
+
+
+_STORE_PEER = """
+import sys
+import numpy as np
+import trainer.distributed as D
+from trainer.layout import Layout
+from trainer.store import StoreError, open_store, verify
+D.STORE_BLOCK = 4096  # many blocks per file
+env = D.read_rank_env()
+world = D.init_world(Layout(num_target_procs=1, num_drafter_procs=1), env, 60)
+src, root = sys.argv[1], sys.argv[2]
+if env.rank == 0:
+    D.send_store(open_store(src), 1)
+else:
+    try:
+        got = D.receive_store(root, 0)
+    except StoreError as exc:
+        print("refused:", exc)
+        sys.exit(0)
+    verify(got.path)
+    sent = open_store(src)
+    assert np.array_equal(got.ids, sent.ids) and np.array_equal(got.mask, sent.mask) and got.manifest == sent.manifest
+    print("received", len(got), "samples")
+"""
+
+
+def _send_store(src: Path, root: Path) -> list[str]:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", _STORE_PEER, str(src), str(root)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert procs[1].returncode == 0, outs
+    return outs
+
+
+def test_a_token_store_crosses_to_another_node_as_hash_checked_files(tmp_path):
+    """Across nodes the store travels as its files in blocks, point-to-point (no pickle), and the receiver keeps
+    it only if every file hashes to the sender's manifest; a corrupt file on the sender is refused by name and
+    leaves nothing behind on the receiver."""
+    from tests.trainer.test_store import CFG, write_conversations
+    from trainer.store import build_store
+    from trainer.tiny import build_tokenizer
+
+    f = write_conversations(tmp_path / "a.jsonl", 120)
+    store, _ = build_store([f], build_tokenizer(CFG), tmp_path / "node0", max_len=80, log=lambda _: None)
+    outs = _send_store(store.path, tmp_path / "node1")
+    assert f"received {len(store)} samples" in outs[1]
+    assert (tmp_path / "node1" / store.path.name / "manifest.json").is_file()
+    raw = bytearray((store.path / "ids.npy").read_bytes())
+    raw[-3] ^= 0x40  # the sender's file goes bad after its manifest was written
+    (store.path / "ids.npy").write_bytes(bytes(raw))
+    outs = _send_store(store.path, tmp_path / "node2")
+    assert "refused:" in outs[1] and "ids.npy: received" in outs[1] and "sha256" in outs[1], outs
+    assert not list((tmp_path / "node2").glob("tokens-*")) and not list((tmp_path / "node2").glob(".tmp-*"))

@@ -64,11 +64,12 @@ def _chi_square_p(counts, exact, runs):
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def _emitted(target, drafter, temperature, budget):
+def _emitted(target, drafter, temperature, budget, block_size=None):
     gen = torch.Generator().manual_seed(0)
     counts, lens = {}, []
     for _ in range(RUNS):
-        d = decode(drafter, target, PROMPT, max_new_tokens=N, temperature=temperature, budget=budget, generator=gen)
+        d = decode(drafter, target, PROMPT, max_new_tokens=N, temperature=temperature, budget=budget, generator=gen,
+                   block_size=block_size)
         counts[tuple(d.tokens)] = counts.get(tuple(d.tokens), 0) + 1
         lens += d.accept_lens
     return counts, lens
@@ -84,6 +85,37 @@ def test_emitted_sequences_follow_the_target_distribution(small, temperature, bu
     assert lens.count(1) > 100 and sum(n >= 3 for n in lens) > 100, [lens.count(i) for i in range(1, 5)]
     p = _chi_square_p(counts, _exact(target, temperature), RUNS)
     assert p > ALPHA, p
+
+
+@pytest.mark.slow
+def test_the_bonus_token_after_every_draft_kept_follows_the_target_distribution(small):
+    """Block 2 at decode time: one draft per round, so a round that keeps it emits the bonus token (the target's
+    sample after the last draft) as the 3rd token, inside the 64 cells compared. A bonus taken as the argmax
+    instead of a sample makes the third token a function of the first two in those rounds: chi-square p ~ 0."""
+    target, drafter = small
+    counts, lens = _emitted(target, drafter, 1.0, None, block_size=2)
+    assert sum(counts.values()) == RUNS and all(len(c) == N for c in counts)
+    assert lens.count(2) > 300, [lens.count(i) for i in (1, 2)]  # hundreds of rounds kept their draft
+    p = _chi_square_p(counts, _exact(target, 1.0), RUNS)
+    assert p > ALPHA, p
+
+
+def test_the_bonus_token_is_sampled_from_the_targets_next_distribution():
+    """Every draft kept (q == p, so every ratio is 1): the emitted token is a SAMPLE of p[n], the target's
+    distribution after the last draft, not its argmax. Fixed seed, 4000 draws of p = (0.5, 0.3, 0.2, 0): each
+    count within 5 standard deviations of 4000 p (a correct rule fails that about once in 10^6 seeds)."""
+    gen = torch.Generator().manual_seed(0)
+    after = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.7, 0.1, 0.1, 0.1]])
+    p = torch.cat([q, after[None]])
+    runs, counts = 4000, [0] * 4
+    for _ in range(runs):
+        kept, token = accept_sampled(torch.tensor([1, 0]), q, p, gen)
+        assert kept == 2
+        counts[token] += 1
+    for x, prob in enumerate(after.tolist()):
+        sd = (runs * prob * (1 - prob)) ** 0.5
+        assert abs(counts[x] - runs * prob) <= 5 * sd, (x, counts)
 
 
 def test_rejection_rule_parts():

@@ -26,12 +26,12 @@ import socket
 from pathlib import Path
 
 from orchestrator import assets, ownlines
-from orchestrator.agent import claims, gpu, preflight, resume, runs, stopping, tmuxctl
+from orchestrator.agent import claims, gpu, preflight, resume, runcommand, runs, stopping, tmuxctl, venvinfo
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.preflight import LaunchPlan
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import LaunchAnswer, LaunchRequest
-from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, run_environment
+from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, SECRET_FILE, run_environment
 from orchestrator.quoting import render, render_line
 
 
@@ -40,6 +40,7 @@ def run(request: dict, emit) -> dict:
     if req.dry_run:
         plan = preflight.plan(req, emit)
         fingerprint, _ = preflight.checks(plan, req, emit, lambda: preflight.check_free(plan, req.workdir, emit))
+        check_data_venv(plan, req, emit)
         return plan.answer(dry_run=True, fingerprint=fingerprint).to_json()
     # Held across the whole preflight, until the session runs: one launch of this experiment at a time.
     lock = runs.LaunchLock(req.workdir, req.experiment)
@@ -68,6 +69,7 @@ def execute(plan: LaunchPlan, req: LaunchRequest, emit) -> dict:
                                  emit, req.claim_wait_s)
             emit.progress("claim", f"claimed GPUs {plan.gpus} for run {plan.run_id}")
         fingerprint, seen = preflight.checks(plan, req, emit, lambda: _gpus_idle(plan, emit))
+        check_data_venv(plan, req, emit)
         result = _start_run(plan, req, src, fingerprint, seen, emit)
         if token is not None:
             claims.promote(req.workdir, token, plan.run_id)  # the run holds its GPUs now, until it ends
@@ -76,6 +78,37 @@ def execute(plan: LaunchPlan, req: LaunchRequest, emit) -> dict:
     finally:
         if token is not None:
             claims.release(req.workdir, token)  # the launch failed: its GPUs are free again
+
+
+def has_data_stage(plan: LaunchPlan, req: LaunchRequest) -> bool:
+    """Whether the run's session runs the data stage (before training, or alone with --data-only)."""
+    return req.kind == "dflash" and (req.data_only or runcommand.needs_data_stage(plan.config or {}))
+
+
+def check_data_venv(plan: LaunchPlan, req: LaunchRequest, emit) -> dict | None:
+    """A run with a data stage in a venv profile of its own (a uv profile: `<workdir>/data-venvs/<profile>`):
+    that venv must exist and match its lock, as the training venv must match its own.
+
+    Returns:
+        The data venv's fingerprint, or None when the stage runs in the training venv (or there is no stage).
+    Raises:
+        AgentFailure("VenvMismatch"): no data venv, or one built from another lock; the fix builds it.
+    """
+    profile = req.data_venv_profile or {}
+    if not has_data_stage(plan, req) or profile.get("kind") != "uv":
+        return None
+    where = runcommand.data_venv_workdir(req.workdir, profile["name"])
+    actual = venvinfo.current_fingerprint(where, profile)
+    diff = venvinfo.fingerprint_diff(actual, req.data_lock_hash, profile)
+    if diff:
+        fix = "dflashctl rebuild-venv" + (f" --target {req.target}" if req.target else "") + f" --profile {profile['name']}"
+        # venvinfo's lines name a bare rebuild-venv, which builds the training venv: name the data venv's.
+        diff = [d.replace("`dflashctl rebuild-venv`", f"`{fix}`") for d in diff]
+        raise AgentFailure("VenvMismatch", f"the data stage's venv (profile {profile['name']!r}, in {where}/venvs) does "
+                           "not match its lock: " + "; ".join(diff[:6]), fix=fix,
+                           data={"differences": diff, "data_venv": profile["name"]})
+    emit.progress("venv", f"data venv {profile['name']} matches the lock", lock_hash=actual.get("lock_hash"))
+    return actual
 
 
 def _gpus_idle(plan: LaunchPlan, emit) -> list[dict]:
@@ -123,8 +156,12 @@ def _start_run(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | 
         runs.write_json(run_dir / "config.json", plan.config)
     env = run_environment(dict(os.environ), plan.extra, req.kind, plan.gpus)
     runs.write_bytes(run_dir / SCRIPT_NAME, assets.read_bytes(SCRIPT_NAME), 0o755)
-    # The environment travels in a file only the owner reads: values never reach a command line.
-    runs.write_bytes(run_dir / ENV_FILE, _env_blob(env), 0o600)
+    # The environment travels in a file only the owner reads: values never reach a command line. Secrets go
+    # to a file of their own that start_training.sh deletes once read (runcommand.SECRET_FILE).
+    secret = set(req.secret_env or ()) & set(req.env or {})
+    runs.write_bytes(run_dir / ENV_FILE, _env_blob({k: v for k, v in env.items() if k not in secret}), 0o600)
+    if secret:
+        runs.write_bytes(run_dir / SECRET_FILE, _env_blob({k: env[k] for k in sorted(secret)}), 0o600)
     mark = ownlines.new_mark()
     runs.write_json(run_dir / "run.json", _run_info(plan, req, src, fingerprint, seen, mark))
     _start_log(run_dir, mark, plan.argv)
@@ -161,6 +198,8 @@ def _run_info(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | N
         "resumed_from": None if src is None else src.run_id,
         "resumed_step": None if src is None else src.step,
         "node": req.node,
+        "data_stage": {"venv": (req.data_venv_profile or {}).get("name"), "data_only": req.data_only}
+        if has_data_stage(plan, req) else None,
         ownlines.RUN_JSON_KEY: mark,
     }
 

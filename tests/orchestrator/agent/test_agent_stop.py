@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from orchestrator.agent import tmuxctl
+from orchestrator.agent import runprocs, stopping, tmuxctl
 from orchestrator.agent.protocol import AgentFailure, Emitter
 from orchestrator.agent.verbs import stop as stop_verb
 from orchestrator.names import session_name
@@ -80,3 +81,165 @@ def test_an_unknown_or_unsafe_run_is_refused_by_name(local_target):
     with pytest.raises(AgentFailure) as info:
         stop(local_target.workdir, "../escape")
     assert info.value.type == "BadRunId"
+
+
+# ------------------------------------------------------------------ escalation until no process is left
+
+# The command's leader ends on SIGINT; its children do not: bash's background `sleep` inherits the ignored TERM
+# (trap '' TERM) and a non-interactive shell's ignored INT; the setsid python leaves the group and the session
+# (only the run's environment marker finds it) and ignores both. None of them holds the log's pipe, so the wrapper
+# writes exit.json as soon as the leader has ended.
+DEAF = [sys.executable, "-c", (
+    "import os, subprocess, sys\n"
+    "ignore = 'import signal, time; signal.signal(2, signal.SIG_IGN); signal.signal(15, signal.SIG_IGN); time.sleep(600)'\n"
+    "quiet = dict(stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    "sleeper = subprocess.Popen(['bash', '-c', \"trap '' TERM; sleep 600 >/dev/null & echo $!; wait\"],"
+    " stdout=subprocess.PIPE, text=True, **quiet)\n"
+    "bash_child = sleeper.stdout.readline().strip()\n"
+    "daemon = subprocess.Popen([sys.executable, '-c', ignore], start_new_session=True, stdout=subprocess.DEVNULL,"
+    " **quiet)\n"
+    "print('children', sleeper.pid, bash_child, daemon.pid, flush=True)\n"
+    "print('ready', flush=True)\n"
+    "import time; time.sleep(600)\n")]
+# Ignores SIGINT; on SIGTERM takes half a second to finish, then exits 0.
+SLOW_TERM = [sys.executable, "-c", (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "def on_term(*_):\n"
+    "    time.sleep(0.5)\n"
+    "    print('finished after SIGTERM', flush=True)\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, on_term)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n")]
+STUBBORN = [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(600)\n"]
+
+
+def ready(run_dir: Path) -> str:
+    """Wait until the command has printed `ready` (its pid file is there by then); returns the log."""
+    log = run_dir / "train.log"
+    wait_for(lambda: (run_dir / "pid").exists() and log.exists() and "\nready\n" in log.read_text(), what="ready")
+    return log.read_text()
+
+
+def alive(pid: int) -> bool:
+    return runprocs.describe_pid(pid) is not None
+
+
+def test_children_deaf_to_int_and_term_are_killed_and_the_kill_is_reported(local_target):
+    """exit.json appears after SIGINT (the leader ended), yet children live: the stop goes on to SIGTERM and
+    SIGKILL, reaches the child that left the group, and says exactly what it sent; nothing of the run is left."""
+    res = launch(local_target, spec("deaf", DEAF))
+    log = ready(Path(res.run_dir))
+    children = [int(p) for p in log.split("children ", 1)[1].split("\n", 1)[0].split()]
+    assert all(alive(p) for p in children)
+
+    result, events = stop(local_target.workdir, res.run_id, grace_s=0.5, requested_by=WHO)
+    assert result["signals"] == ["SIGINT", "SIGTERM", "SIGKILL"]
+    sent = [e["signal"] for e in events if e.get("step") == "stop" and e["message"].startswith("sending")]
+    assert sent == ["SIGINT", "SIGTERM", "SIGKILL"]
+    assert any(f"pid(s) {children[2]}" in e["message"] for e in events), events  # the setsid daemon, by marker
+    assert [p for p in children if alive(p)] == []
+    assert runprocs.run_processes(res.run_dir) == []
+    assert result["state"] == "stopped" and result["exit"]["exit_code"] == 130  # the leader's own end, on SIGINT
+
+
+def test_sigterm_grace_is_waited_for(local_target):
+    """A run that finishes 0.5 s after SIGTERM is given its grace: it is not SIGKILLed."""
+    res = launch(local_target, spec("slowterm", SLOW_TERM))
+    ready(Path(res.run_dir))
+    result, _ = stop(local_target.workdir, res.run_id, grace_s=3, requested_by=WHO)
+    assert result["signals"] == ["SIGINT", "SIGTERM"]
+    assert result["exit"]["exit_code"] == 0 and result["exit"]["signal"] is None
+    assert "finished after SIGTERM" in (Path(res.run_dir) / "train.log").read_text()
+
+
+# STUBBORN, plus a process outside the run (no marker: env -i; its own session) that keeps the log's pipe open
+# for 3 s: the wrapper waits for tee to drain it before it writes exit.json.
+SLOW_LOG = [sys.executable, "-c", "import signal, subprocess, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "subprocess.Popen(['setsid', 'env', '-i', 'sleep', '3'], stdin=subprocess.DEVNULL)\n"
+            "print('ready', flush=True)\ntime.sleep(600)\n"]
+
+
+def test_after_sigkill_the_stop_waits_for_exit_json(local_target):
+    """After SIGKILL the wrapper may take seconds to finish the log (tee drains it) and write exit.json; the
+    stop waits for it, so its answer has the run's end."""
+    res = launch(local_target, spec("stubborn", SLOW_LOG))
+    ready(Path(res.run_dir))
+    result, _ = stop(local_target.workdir, res.run_id, grace_s=0.3, requested_by=WHO)
+    assert result["signals"] == ["SIGINT", "SIGTERM", "SIGKILL"]
+    assert result["exit"] is not None and result["exit"]["signal"] == "SIGKILL"
+    assert result["state"] == "stopped"
+
+
+def test_a_stop_before_the_pid_file_signals_the_pane(local_target):
+    """A run whose wrapper has not written its pid file yet (here: never will) is stopped through the group of
+    its tmux pane."""
+    run_id = "early-20260101-000000"
+    run_dir = Path(local_target.workdir) / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "experiment": "early"}))
+    tmuxctl.new_session(session_name("early"), f"{sys.executable} -c 'import time; time.sleep(600)'",
+                        str(run_dir), run_id)
+    s = wait_for(lambda: tmuxctl.find_session(session_name("early")))
+    pane = s["pane_pid"]
+    assert alive(pane) and not (run_dir / "pid").exists()
+
+    result, _ = stop(local_target.workdir, run_id, grace_s=5, requested_by=WHO)
+    assert result["signals"] == ["SIGINT"]
+    assert not alive(pane)
+
+
+def test_a_run_whose_processes_are_gone_is_marked_stopped_without_waiting(local_target, tmp_path):
+    """The container restarted under the run: a stale pid file, no session, no exit.json. No signal, no wait for
+    an exit.json nothing will write, and the answer says so."""
+    run_id = "gone-20260101-000000"
+    run_dir = Path(local_target.workdir) / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "experiment": "gone"}))
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run_dir / "pid").write_text(f"{dead.pid}\n")
+    t0 = time.monotonic()
+    result, events = stop(local_target.workdir, run_id, requested_by=WHO)
+    assert time.monotonic() - t0 < 3
+    assert result["signals"] == [] and not result["already_ended"] and result["state"] == "stopped"
+    assert [e["message"] for e in events] == [
+        f"run {run_id}: the run's processes are gone (container restarted?); marked stopped"]
+    assert json.loads((run_dir / "stop.json").read_text())["by"] == WHO["by"]
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.skipif(not (FREEZER / "cgroup.procs").exists() or os.geteuid() != 0,
+                    reason="needs root and cgroup v1's freezer (a frozen task does not die of SIGKILL until thawed)")
+def test_a_process_that_outlives_sigkill_fails_the_stop_naming_it(local_target, monkeypatch):
+    """A process SIGKILL cannot end (frozen by the cgroup v1 freezer, as a task in uninterruptible I/O would
+    be): the stop fails naming its pid and command line, after saying it sent SIGKILL."""
+    monkeypatch.setattr(stopping, "_AFTER_KILL_S", 1.0)
+    res = launch(local_target, spec("frozen", STUBBORN))
+    run_dir = Path(res.run_dir)
+    ready(run_dir)
+    pid = int((run_dir / "pid").read_text())
+    cg = FREEZER / f"dflash-test-{os.getpid()}"
+    cg.mkdir()
+    try:
+        (cg / "cgroup.procs").write_text(str(pid))
+        (cg / "freezer.state").write_text("FROZEN")
+        wait_for(lambda: (cg / "freezer.state").read_text().strip() == "FROZEN", what="frozen")
+        with pytest.raises(AgentFailure) as info:
+            stop(local_target.workdir, res.run_id, grace_s=0.2, requested_by=WHO)
+        err = info.value
+        assert err.type == "StopFailed" and err.data["pids"] == [pid]
+        assert err.message.startswith(f"run {res.run_id}: 1 process(es) still alive after SIGINT, SIGTERM, SIGKILL: "
+                                      f"pid {pid} ({sys.executable} -c import signal")
+        assert str(pid) in err.fix
+    finally:
+        (cg / "freezer.state").write_text("THAWED")
+        wait_for(lambda: not alive(pid), what="the thawed process to die of its pending SIGKILL")
+        (cg / "cgroup.procs").read_text() or cg.rmdir()

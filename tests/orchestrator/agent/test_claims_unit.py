@@ -280,3 +280,51 @@ def test_the_first_lock_makes_its_directories_and_a_0644_file_and_an_unused_lock
     path = workdir / "locks" / "exp.lock"
     assert (path.stat().st_mode & 0o777) == 0o644 and json.loads(path.read_text()) == {"pid": 1}
     lock.release()
+
+
+def marked_sleeper(run_dir: Path) -> subprocess.Popen:
+    """A real process carrying the run's environment marker, as every process a run starts does (a rank
+    that outlived its launcher, here), in a session of its own as torch starts ranks."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                            env={**os.environ, "DFLASHCTL_RUN_DIR": str(run_dir)})
+    for _ in range(100):  # the marker is readable once the exec is done
+        if agent_runs.live_processes(agent_runs.load_ref(run_dir)):
+            break
+        import time
+
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_run_with_a_live_process_keeps_its_gpus_after_exit_json(tmp_path):
+    """A launcher killed under its ranks wrote exit.json (failed), but a rank lives on its GPUs: the claim
+    stays, the GPU is refused to the next launch naming the run; once the rank is gone the GPU is free."""
+    token = claims.claim(tmp_path, [0], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    make_run(tmp_path, "a-1", ended=True)
+    (tmp_path / "runs" / "a-1" / "pid").write_text(f"{dead_pid()}\n")  # the launcher is gone
+    claims.promote(tmp_path, token, "a-1")
+    rank = marked_sleeper(tmp_path / "runs" / "a-1")
+    try:
+        with pytest.raises(AgentFailure) as info:
+            claims.claim(tmp_path, [0], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
+        assert info.value.message == "GPU 0 is held by run a-1 (experiment a), running"
+    finally:
+        rank.kill()
+        rank.wait()
+    assert claims.claim(tmp_path, [0], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
+
+
+def test_a_run_whose_liveness_is_unknown_keeps_its_gpus(tmp_path, monkeypatch):
+    """No exit.json, no pid file yet, and no tmux to ask (not on PATH): nothing knows the run gone, so its GPU
+    is not handed to another launch."""
+    token = claims.claim(tmp_path, [3], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+    make_run(tmp_path, "a-1")
+    (tmp_path / "runs" / "a-1" / "pid").unlink()
+    claims.promote(tmp_path, token, "a-1")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tmux-here"))
+    ref = agent_runs.load_ref(tmp_path / "runs" / "a-1")
+    assert agent_runs.run_alive(ref) is None  # unknown, not gone
+    assert sorted(claims.held(tmp_path, [3])) == [3]
+    with pytest.raises(AgentFailure) as info:
+        claims.claim(tmp_path, [3], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
+    assert info.value.type == "GpuClaimed"

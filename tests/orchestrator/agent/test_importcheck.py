@@ -1,5 +1,7 @@
 """The import check of rebuild-venv: worker processes (a crash is named, not fatal), a scheduler that keeps a
-heavy import in one worker, and the verified-wheels keys (a dependency's change re-verifies its dependents)."""
+heavy import in one worker, the verified-wheels keys (a dependency's change re-verifies its dependents), and the
+record as venvinfo.verify keeps it: a failed import is never recorded, a wheel verified under another patch
+release of Python is imported again."""
 
 from __future__ import annotations
 
@@ -141,3 +143,88 @@ def test_default_jobs_and_explicit_jobs_cover_every_module(tmp_path, monkeypatch
                            lambda m, e, t: seen.append((m, e)))
     assert sorted(seen) == [("ic_good", None), ("json", None), ("os", None)]
     assert 1 <= importcheck.default_jobs() <= 8
+
+
+# -- the verified-wheels record, through venvinfo.verify as rebuild_venv.sh runs it ---------------------------
+
+
+def _wheel(site: Path, name: str, source: str) -> None:
+    """An installed distribution `name` with one module `name.py` holding `source`."""
+    (site / f"{name}.py").write_text(source)
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "RECORD").write_text(f"{name}.py,sha256=x{abs(hash(source))},{len(source)}\n{info.name}/RECORD,,\n")
+
+
+def _site_with(tmp_path: Path, monkeypatch, wheels: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """A site directory holding `wheels` ahead of this interpreter's own packages, and a verified-wheels record
+    in which every OTHER installed distribution is verified already (so verify imports only `wheels`).
+    Returns (the record's path, {distribution: its key under this interpreter})."""
+    site = tmp_path / "site"
+    site.mkdir()
+    for name, source in wheels.items():
+        _wheel(site, name, source)
+    monkeypatch.syspath_prepend(str(site))  # the workers get the verifier's sys.path
+    from orchestrator.agent import venvinfo
+
+    # What the bundle imports but this machine lacks (vllm on a CPU workstation): an empty package, found by the
+    # bundle check and no distribution (not imported). The lock's completeness is test_venvinfo's subject.
+    for module in venvinfo._missing_bundle_modules():
+        (site / module).mkdir()
+        (site / module / "__init__.py").write_text("")
+    by_name, deps = importcheck.requirements(metadata.distributions())
+    keys = importcheck.dist_keys(by_name, deps)
+    record = tmp_path / "venvs" / ".verified-wheels.json"
+    record.parent.mkdir()
+    ours = {importcheck.normalize_name(w) for w in wheels}
+    importcheck.save_record(record, {}, {k: {"dist": n, "version": "?"} for n, k in keys.items() if n not in ours})
+    return record, keys
+
+
+def test_a_wheel_whose_import_failed_is_not_recorded_and_is_imported_again(tmp_path, monkeypatch):
+    """A venv whose wheel does not import is refused, and the record does not take that wheel as verified:
+    the next rebuild imports it again (and is refused again), never skips it into a broken venv."""
+    from orchestrator.agent import venvinfo
+
+    record, keys = _site_with(tmp_path, monkeypatch, {"ic_okwheel": "VALUE = 1\n",
+                                                      "ic_badwheel": "raise ImportError('built for another Python')\n"})
+    before = importcheck.load_record(record)
+    for _ in range(2):
+        res = venvinfo.verify(out=_Quiet, record=record, jobs=1)
+        assert [f["dist"] for f in res["failed"]] == ["ic-badwheel"] and "another Python" in res["failed"][0]["error"]
+        assert "ic-badwheel" not in res["skipped"] and "ic-okwheel" not in res["skipped"]
+        assert keys["ic-badwheel"] not in importcheck.load_record(record)
+    assert importcheck.load_record(record) == before  # a refused venv adds nothing
+
+
+def test_a_wheel_verified_under_another_patch_version_of_python_is_imported_again(tmp_path, monkeypatch):
+    """The record says ic-okwheel was verified by Python X.Y.(Z-1) (its key computed as that interpreter computes
+    it); this interpreter is X.Y.Z: the wheel is imported again, then recorded for this one and skipped next
+    time. (A C extension built against one patch release can fail under another.)"""
+    import platform
+
+    from orchestrator.agent import venvinfo
+
+    record, keys = _site_with(tmp_path, monkeypatch, {"ic_okwheel": "VALUE = 1\n"})
+    major, minor, patch = platform.python_version().split(".")[:3]
+    other = f"{major}.{minor}.{int(''.join(c for c in patch if c.isdigit())) + 1}"
+    with monkeypatch.context() as m:
+        m.setattr(platform, "python_version", lambda: other)
+        old_key = importcheck.dist_keys(*importcheck.requirements(metadata.distributions()))["ic-okwheel"]
+    assert platform.python_version() != other and old_key != keys["ic-okwheel"]
+    importcheck.save_record(record, importcheck.load_record(record), {old_key: {"dist": "ic-okwheel", "version": "1.0"}})
+
+    first = venvinfo.verify(out=_Quiet, record=record, jobs=1)
+    assert first["failed"] == [] and first["missing"] == {} and "ic-okwheel" not in first["skipped"]
+    assert keys["ic-okwheel"] in importcheck.load_record(record)
+    second = venvinfo.verify(out=_Quiet, record=record, jobs=1)
+    assert "ic-okwheel" in second["skipped"] and second["modules"] < first["modules"]
+
+
+class _Quiet:
+    """verify's progress events, dropped."""
+
+    @staticmethod
+    def event(kind: str, **fields) -> None:
+        pass

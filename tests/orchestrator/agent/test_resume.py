@@ -76,3 +76,35 @@ def test_a_run_without_a_complete_checkpoint_has_nothing_to_resume(tmp_path):
     with pytest.raises(AgentFailure) as info:
         find_source(tmp_path, "e-1", "e", "dflash")
     assert info.value.type == "NothingToResume" and "save_every is 2" in info.value.message
+
+
+def test_resume_is_refused_while_a_process_of_the_run_lives_naming_it(tmp_path):
+    """A rank of the old run still alive (it outlived its launcher, whose exit.json says failed) would keep
+    writing checkpoints into what the resume seeds: refused, naming the process and the command that ends it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    d = old_run(tmp_path)
+    (d / "exit.json").write_text(json.dumps({"exit_code": 137}))
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "trainer.rank"],
+                            start_new_session=True, env={**os.environ, "DFLASHCTL_RUN_DIR": str(d)})
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                find_source(tmp_path, "e-1", "e", "dflash")
+            except AgentFailure as exc:
+                err = exc
+                break
+            assert time.monotonic() < deadline, "never refused"
+            time.sleep(0.05)
+        assert err.type == "RunProcessesAlive"
+        assert err.message == (f"cannot resume run e-1: run e-1 still has 1 live process(es): pid {rank.pid} "
+                               f"({sys.executable} -c import time; time.sleep(60) trainer.rank)")
+        assert err.fix.startswith("dflashctl stop e-1")
+    finally:
+        rank.kill()
+        rank.wait()
+    assert find_source(tmp_path, "e-1", "e", "dflash").step == 4  # once it is gone, the resume is accepted

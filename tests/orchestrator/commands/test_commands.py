@@ -76,9 +76,11 @@ def test_status_gets_the_inventory_the_target_and_the_limit(monkeypatch, inv):
 
 
 def test_stop_hands_the_run_the_target_and_the_grace_to_the_op(monkeypatch, inv):
-    from orchestrator.ops.stop import StopResult
+    from orchestrator.ops.placement import Placement
+    from orchestrator.ops.stop import NodeStop, RunStop, StopResult
 
-    rec = patch(monkeypatch, "orchestrator.ops.stop", "stop_run", StopResult("r1", "stopped", ["SIGINT"], False, None, None))
+    done = RunStop("r1", [NodeStop(Placement("here"), StopResult("r1", "stopped", ["SIGINT"], False, None, None))])
+    rec = patch(monkeypatch, "orchestrator.ops.stop", "stop_run", done)
     assert main(["-i", inv, "stop", "e-x", "--target", "here", "--grace", "2.5"]) == 0
     (args, kwargs), = rec.calls
     assert args[0].source == inv and args[1] == "e-x"
@@ -86,9 +88,10 @@ def test_stop_hands_the_run_the_target_and_the_grace_to_the_op(monkeypatch, inv)
 
 
 def test_launch_hands_every_flag_to_the_op_and_starts_no_connection_for_a_local_target(monkeypatch, inv):
-    from orchestrator.ops.launch import LaunchResult
+    from orchestrator.ops.launch import LaunchResult, RunLaunch
 
-    res = LaunchResult("e-t-1", "/w/runs/e-t-1", "dflash-e", "here", "e", ["true"], [], None, False)
+    one = LaunchResult("e-t-1", "/w/runs/e-t-1", "dflash-e", "here", "e", ["true"], [], None, False)
+    res = RunLaunch(one.run_id, one.experiment, [one])
     rec = patch(monkeypatch, "orchestrator.ops.launch", "launch_experiment", res)
     assert main(["-i", inv, "launch", "e", "--tag", "t", "--replace", "--grace", "4", "--resume", "e-0"]) == 0
     (args, kwargs), = rec.calls

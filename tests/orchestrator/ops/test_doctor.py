@@ -18,10 +18,14 @@ ALL_CHECKS = ["ssh reachable", "host key known", "pct present", "container runni
               *AGENT_CHECKS]
 
 
+GPU_EXPERIMENT = {"gpu-cmd": {"kind": "command", "target": "ct", "command": ["true"], "gpus": [0]}}
+
+
 def inventory(tmp_path: Path, host: dict | None = None, ctid: int = 310, workdir: str | None = None,
-              name: str = "inv.yaml", venv: str = "cpu"):
+              name: str = "inv.yaml", venv: str = "cpu", experiments: dict | None = None):
     """A written + loaded inventory with a `local` target and (given a host entry) a container target `ct`
-    whose venv profile is `venv` (`cpu`: the cpu lock; `gpu`: the cuda lock)."""
+    whose venv profile is `venv` (`cpu`: the cpu lock; `gpu`: the cuda lock), with `experiments` (default:
+    one command experiment on GPU 0 of `ct`, so the GPU checks run)."""
     doc: dict = {
         "targets": {"local": {"kind": "local", "workdir": str(tmp_path / "local"), "venv": "workstation"}},
         "venvs": {"workstation": {"kind": "workstation"}, "cpu": {"kind": "uv", "lock": "cpu"},
@@ -29,6 +33,7 @@ def inventory(tmp_path: Path, host: dict | None = None, ctid: int = 310, workdir
         "experiments": {},
     }
     if host is not None:
+        doc["experiments"] = dict(GPU_EXPERIMENT if experiments is None else experiments)
         doc["hosts"] = {"pve": host}
         doc["targets"]["ct"] = {"kind": "container", "host": "pve", "ctid": ctid,
                                 "workdir": workdir or "/root/dflash", "venv": venv}
@@ -84,7 +89,9 @@ def test_local_doctor_reports_missing_tools(tmp_path, monkeypatch):
     assert checks["tmux"].status == FAIL and checks["tmux"].fix == "apt-get install -y tmux"
     # rebuild-venv brings the workstation's own uv: the fix is that verb, for this target, runnable as printed.
     assert checks["uv"].status == WARN and checks["uv"].fix == "dflashctl rebuild-venv --target local"
-    assert checks["nvidia-smi readable"].status == WARN  # a CPU workstation is fine for `tiny`
+    # No experiment of this inventory runs on `local`: the GPU checks are skipped, saying so.
+    assert checks["nvidia-smi readable"].status == SKIP
+    assert checks["nvidia-smi readable"].detail.startswith("no experiment in ")
     assert not rep.ok
 
 
@@ -276,3 +283,59 @@ def test_doctor_cli_json_against_the_fake_host(pve, tmp_path):
     assert report["target"] == "ct" and report["kind"] == "container"
     assert {c["name"]: c["status"] for c in report["checks"]}["container running"] == OK
     assert res.returncode == (0 if report["ok"] else 1)
+
+
+# ---------------------------------------------------------------- the GPU checks follow the experiments
+
+
+CPU_EXPERIMENTS = {"tiny-ct": {"kind": "dflash", "target": "ct"},
+                   "cmd-ct": {"kind": "command", "target": "ct", "command": ["true"]},
+                   "gpu-elsewhere": {"kind": "command", "target": "local", "command": ["true"], "gpus": [0]}}
+
+
+def test_doctor_passes_a_cpu_only_container_whose_experiments_use_no_gpu(pve, tmp_path, dflashctl):
+    """A container without GPU devices or nvidia-smi, whose experiments all run on the CPU: the GPU checks are
+    skipped with that reason and doctor passes (exit 0 through the installed script); give one experiment a GPU
+    and the same container fails them as before."""
+    ct = pve.create_container(316, gpus=0)
+    inv = inventory(tmp_path, pve.host_entry(), ctid=316, workdir=ct.workdir, experiments=CPU_EXPERIMENTS)
+    rep = doctor(inv, "ct")
+    checks = by_name(rep)
+    for name in ("GPU devices visible", "nvidia-smi readable", LIB_CHECK, CUDA_CHECK):
+        assert checks[name].status == SKIP, checks[name]
+        assert checks[name].detail.startswith("no experiment on ct uses a GPU (tiny-ct, cmd-ct: CPU only)")
+    assert rep.ok, [c for c in rep.checks if not c.ok]
+    res = dflashctl("--inventory", str(tmp_path / "inv.yaml"), "doctor", "--target", "ct")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no experiment on ct uses a GPU" in res.stdout
+
+    inv = inventory(tmp_path, pve.host_entry(), ctid=316, workdir=ct.workdir,
+                    experiments={**CPU_EXPERIMENTS, "gpu-ct": {"kind": "dflash", "target": "ct",
+                                                               "layout": {"target_gpus": [0], "drafter_gpus": [1]}}})
+    checks = by_name(doctor(inv, "ct"))
+    assert checks["GPU devices visible"].status == FAIL and checks["nvidia-smi readable"].status == FAIL
+
+
+def test_gpu_experiments_reads_layouts_commands_and_nodes(tmp_path):
+    """Which experiments use a GPU on which target: a single CPU layout, a command's gpus, each node of a
+    layout across targets for its own target; a target no experiment names has none."""
+    doc = {"hosts": {"pve": {"ssh": "pve.lan"}},
+           "targets": {"a": {"kind": "container", "host": "pve", "ctid": 200},
+                       "b": {"kind": "container", "host": "pve", "ctid": 201},
+                       "c": {"kind": "container", "host": "pve", "ctid": 202}},
+           "venvs": {"cuda": {"kind": "uv"}},
+           "experiments": {
+               "cpu-a": {"kind": "dflash", "target": "a"},
+               "cmd-b": {"kind": "command", "target": "b", "command": ["x"], "gpus": [1]},
+               "two": {"kind": "dflash", "target": "a", "layout": {
+                   "nodes": [{"target": "a", "target_gpus": [0]}, {"target": "c", "drafter_gpus": [0]}],
+                   "rendezvous": "10.0.0.1:29400"}}}}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    from orchestrator.ops.doctor import gpu_experiments
+
+    inv = load_inventory(path)
+    assert gpu_experiments(inv, "a") == (["two"], ["cpu-a", "two"])
+    assert gpu_experiments(inv, "b") == (["cmd-b"], ["cmd-b"])
+    assert gpu_experiments(inv, "c") == (["two"], ["two"])
+    assert gpu_experiments(inv, "nowhere") == ([], [])

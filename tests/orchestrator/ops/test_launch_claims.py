@@ -1,4 +1,4 @@
-"""Locks per experiment, GPUs claimed per launch (issue 10, item 7).
+"""Locks per experiment, GPUs claimed per launch.
 
 Races are made deterministic: the stand-in nvidia-smi holds ONE call (fakehost.nvidia_smi.hold), so the first
 launch sits inside its preflight, holding its experiment's lock and its GPU claims, for as long as the test

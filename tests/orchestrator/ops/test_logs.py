@@ -36,6 +36,12 @@ ROOT = Path(__file__).resolve().parents[3]
 START = assets.on_disk("start_training.sh")
 FAST = Backoff(initial=0.05, factor=2.0, cap=0.5, jitter=0.2, give_up_s=20)
 
+
+@pytest.fixture(autouse=True)
+def own_state_dir(tmp_path, monkeypatch):
+    """This test's run records and printed offsets (a follow notes what it printed), never the user's."""
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+
 WRITER = textwrap.dedent(
     """
     import sys, time

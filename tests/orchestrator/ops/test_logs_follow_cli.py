@@ -1,4 +1,4 @@
-"""One follow, wherever it starts (issue 10, item 10): `launch --follow` and `logs --follow` are the same code
+"""One follow, wherever it starts: `launch --follow` and `logs --follow` are the same code
 and print the same alerts and signature diagnoses (never a raw dict); an alert states its configured
 threshold. Through the installed `dflashctl` console script, on the local target."""
 
@@ -129,7 +129,8 @@ def test_crash_diagnosis_is_printed_identically_by_both_follows(tmp_path, dflash
     inv = _inventory(tmp_path)
     launched = dflashctl("--inventory", str(inv), "launch", "crash", "--follow", timeout=120)
     run_id = _newest_run(tmp_path)
-    logs = dflashctl("--inventory", str(inv), "logs", run_id, "--follow", timeout=120)
+    # --tail -1: the whole log again (without it the follow resumes after what launch --follow printed).
+    logs = dflashctl("--inventory", str(inv), "logs", run_id, "--follow", "--tail", "-1", timeout=120)
     assert launched.returncode == logs.returncode == 2, (launched.stderr, logs.stderr)
     block = _diagnosis(logs.stderr)
     assert block[0] == ("fatal: Python module not installed in the run's venv: accelerate_not_installed_here "
@@ -150,3 +151,83 @@ def test_crash_diagnosis_is_printed_identically_by_both_follows(tmp_path, dflash
     # The same log lines on stdout, from the first line (launch's own 'launched' lines aside).
     assert [line for line in launched.stdout.splitlines() if not line.startswith(("launched ", "  follow: "))] \
         == logs.stdout.splitlines()
+
+
+def test_the_follow_hint_launch_prints_works_when_the_runs_target_is_not_listed_first(tmp_path, dflashctl):
+    """`logs RUN` finds the run where its record says it runs, not on the inventory's first target: the
+    `follow:` line `launch` prints works as pasted whichever target comes first."""
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(textwrap.dedent(f"""\
+        targets:
+          first: {{kind: local, workdir: {json.dumps(str(tmp_path / 'first'))}, venv: workstation}}
+          second: {{kind: local, workdir: {json.dumps(str(tmp_path / 'second'))}, venv: workstation}}
+        venvs:
+          workstation: {{kind: workstation}}
+        experiments:
+          two: {{kind: command, target: second, command: ["sh", "-c", "echo line-one; echo line-two"]}}
+        """))
+    launched = dflashctl("--inventory", str(inv), "launch", "two", timeout=120)
+    assert launched.returncode == 0, launched.stderr
+    hint = next(line.strip() for line in launched.stdout.splitlines() if line.strip().startswith("follow: "))
+    pasted = hint.removeprefix("follow: ").split("    ")[0].split()
+    assert pasted[:2] == ["dflashctl", "logs"] and pasted[-1] == "--follow", hint
+    logs = dflashctl("--inventory", str(inv), *pasted[1:], timeout=120)
+    assert logs.returncode == 0, (logs.returncode, logs.stderr)
+    lines = logs.stdout.splitlines()
+    assert lines.index("line-one") + 1 == lines.index("line-two"), logs.stdout
+    assert "succeeded (exit code 0)" in logs.stderr
+
+
+GAP = 150  # more lines than the default --tail of 100
+
+
+def test_a_new_follow_resumes_after_the_last_line_the_killed_one_printed(tmp_path, dflashctl):
+    """A follow killed (SIGKILL: no clean-up runs), lines written meanwhile, a new `logs RUN --follow`: it prints
+    exactly the lines the first never printed, none twice and none skipped, however many; `--tail N` still
+    starts at the last N lines."""
+    import os
+    import shutil
+
+    from orchestrator import records
+
+    gate = tmp_path / "gate"
+    script = ('for i in $(seq -w 1 10); do echo "first-$i"; done; '
+              'while [ ! -e "$1" ]; do sleep 0.05; done; '
+              f'for i in $(seq -w 1 {GAP}); do echo "gap-$i"; done')
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(textwrap.dedent(f"""\
+        targets:
+          local: {{kind: local, workdir: {json.dumps(str(tmp_path / 'work'))}, venv: workstation}}
+        venvs:
+          workstation: {{kind: workstation}}
+        experiments:
+          gap: {{kind: command, target: local, command: {json.dumps(["sh", "-c", script, "gap", str(gate)])}}}
+        """))
+    assert dflashctl("--inventory", str(inv), "launch", "gap", timeout=120).returncode == 0
+    run_id = _newest_run(tmp_path)
+    log = tmp_path / "work" / "runs" / run_id / "train.log"
+    exe = shutil.which("dflashctl")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), COLUMNS="200")
+    first = _Follow(exe, env, "--inventory", str(inv), "logs", run_id, "--follow")
+    try:
+        deadline = time.monotonic() + 60
+        # Printed, and noted as printed: the offset file reaches the end of the (now still) log.
+        while not ("first-10" in first.out and records.printed_offset(run_id, "local") == log.stat().st_size):
+            assert time.monotonic() < deadline, (first.out, first.err)
+            time.sleep(0.05)
+    finally:
+        first.proc.kill()
+    first.wait(30)
+    gate.touch()
+    deadline = time.monotonic() + 60
+    while not (log.parent / "exit.json").exists():
+        assert time.monotonic() < deadline, "the run did not end"
+        time.sleep(0.1)
+    second = dflashctl("--inventory", str(inv), "logs", run_id, "--follow", timeout=120)
+    assert second.returncode == 0, second.stderr
+    printed = second.stdout.splitlines()
+    assert [ln for ln in printed if not ln.startswith("[dflashctl ")] == [f"gap-{i:03d}" for i in range(1, GAP + 1)]
+    whole = dflashctl("--inventory", str(inv), "logs", run_id, "--tail", "-1", timeout=120).stdout.splitlines()
+    assert first.out + printed == whole  # together: the whole log, each line once
+    tail = dflashctl("--inventory", str(inv), "logs", run_id, "--follow", "--tail", "5", timeout=120)
+    assert tail.stdout.splitlines() == whole[-5:]

@@ -1,4 +1,4 @@
-"""Property test of the follow (orchestrator.ops.logs.follow + the agent's `tail` verb), issue 14: whatever the
+"""Property test of the follow (orchestrator.ops.logs.follow + the agent's `tail` verb): whatever the
 log holds and wherever the connection is cut, the follower prints exactly the log's lines, once, in order, and
 the agent never sends again a byte the follower already received: every reconnect asks for the end of the last
 complete event, and the data events received whole tile the file exactly.

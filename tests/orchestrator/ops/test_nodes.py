@@ -8,7 +8,7 @@ namespace and another file system. Own addresses matter: torch tells the nodes o
 address and pid, and two containers' agents often have the same pid in their own pid namespaces (with one
 address for both, the rendezvous never completes). Not modelled: separate network namespaces, a firewall.
 
-Plus the inventory's validation of `layout.nodes` and the pure parts of orchestrator.ops.nodes."""
+Plus the inventory's validation of `layout.nodes` and the pure parts of a launch across targets."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ import yaml
 from orchestrator.errors import InventoryError, PreflightError, UserError
 from orchestrator.inventory import load_inventory, parse_inventory
 from orchestrator.ops.launch import spec_from_inventory
-from orchestrator.ops.nodes import fingerprint_differences, launch_nodes, node_specs, run_cause, stop_nodes
+from orchestrator.ops.launch import fingerprint_differences, launch_placements, node_specs
+from orchestrator.ops.placement import resolve, run_cause
+from orchestrator.ops.stop import stop_placements
 from orchestrator.target import open_target
 
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
@@ -140,7 +142,7 @@ def _launch(inv_path: Path, **kw):
     specs = node_specs(inv, spec_from_inventory(inv, "two"))
     targets = [open_target(inv, s.target) for s in specs]
     try:
-        return launch_nodes(targets, specs, warmup_device="cpu", **kw), inv
+        return launch_placements(targets, specs, warmup_device="cpu", **kw), inv
     finally:
         for t in targets:
             t.close()
@@ -196,7 +198,7 @@ def test_two_containers_as_two_nodes_match_the_single_process_run(pve, two_cts, 
     # Preflight on every node, then the start on every node: two agent calls (pct execs) per container.
     assert [len(pve.pct_exec_calls(c.ctid)) for c in cts] == [2, 2]
     runs = [Path(c.workdir) / "runs" / res.run_id for c in cts]
-    assert [n["run_dir"] for n in res.nodes] == [str(r) for r in runs]
+    assert [n.run_dir for n in res.nodes] == [str(r) for r in runs]
     for r in runs:
         _wait(r / "exit.json", 900)
     exits = [json.loads((r / "exit.json").read_text()) for r in runs]
@@ -234,12 +236,11 @@ def test_pct_stop_of_one_node_fails_the_run_on_both_and_resume_continues(pve, tw
 
     # `logs --follow` of the run: both nodes in one stream; node 1 cannot be reached, and the follow ends with
     # the run's outcome as soon as node 0's cause names node 1 as lost.
-    from orchestrator.ops.nodes import follow_nodes
-    from orchestrator.records import find_record
+    from orchestrator.ops.logs import follow_placements
 
     lines: list[str] = []
     t1 = time.monotonic()
-    outcome = follow_nodes(inv, find_record(res.run_id), on_line=lines.append)
+    outcome = follow_placements(inv, resolve(inv, res.run_id), on_line=lines.append)
     assert time.monotonic() - t1 < 60 and outcome.state == "failed", (outcome.to_dict(), lines[-20:])
     assert outcome.exit["root_cause"]["lost"]["node_name"] == "ct201"
     assert any(ln.startswith("[ct200] [launch] run failed: lost rank") for ln in lines), lines[-20:]
@@ -247,10 +248,10 @@ def test_pct_stop_of_one_node_fails_the_run_on_both_and_resume_continues(pve, tw
 
     # The container comes back; `stop` of the run gives the lost node its exit.json: failed, the same cause.
     subprocess.run(pve.ssh_argv("pct", "start", "201"), check=True, timeout=60)
-    rec = find_record(res.run_id)
-    targets = [open_target(inv, n["target"]) for n in rec["nodes"]]
+    where = resolve(inv, res.run_id)
+    targets = [open_target(inv, p.target) for p in where.placements]
     try:
-        stop_nodes(targets, res.run_id, rec, grace_s=2)
+        stop_placements(targets, res.run_id, where.placements, grace_s=2)
     finally:
         for t in targets:
             t.close()

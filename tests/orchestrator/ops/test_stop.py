@@ -1,6 +1,6 @@
 """stop (orchestrator.ops.stop): the graceful escalation, where a run is looked for, and a user's stop recorded
 and shown as "stopped" (by whom, when), distinct from failed and crashed: in exit.json, `status`, `runs`,
-`logs` (its outcome line and exit code 5), and for `launch --replace` too (issue 10, item 8). Through the
+`logs` (its outcome line and exit code 5), and for `launch --replace` too. Through the
 installed `dflashctl` console script on the local target, plus the wrapper script on its own."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The mutants issue 14 names, each applied by hand to a scratch copy of the tree, with the tests that must
-fail on it; prints one row per mutant (killed or SURVIVED, the tests' exit code, the seconds it took) and exits
-1 if any survives.
+"""Hand-made mutants: bugs that mutmut cannot make (a deleted file, a packaging change, a reordered
+output, a shell script's switch and prune) or that a reader should see named, each applied to a scratch copy of
+the tree with the tests that must fail on it; prints one row per mutant (killed or SURVIVED, the tests' exit code,
+the seconds it took) and exits 1 if any survives.
 
-    python3 tests/mutation/issue_mutants.py [--only ID ...] [--list]
+    python3 tests/mutation/hand_mutants.py [--only ID ...] [--list]
 
 Killed means each listed test fails or errors on the mutant (for a parametrized test: at least one of its
 cases; pytest exit 1, or 2 when a test module no longer imports); a skip is not a kill.
@@ -132,6 +133,79 @@ MUTANTS = [
            [("trainer/layout.py", "        gpu = self.gpu(rank)\n        if gpu is None:\n            return {\"CUDA_VISIBLE_DEVICES\": \"\"}",
              "        gpu = self.gpu((rank + 1) % self.world_size)\n        if gpu is None:\n"
              "            return {\"CUDA_VISIBLE_DEVICES\": \"\"}")]),
+    # -- checkpoints: what resume finds after a crash, a half copy or a bad file
+    Mutant("ckpt-complete-without-meta", "list_complete no longer requires meta.json (keep-N pruning counts a half copy)",
+           ["tests/trainer/test_checkpoint.py::test_keep_1_pruning_never_counts_a_folder_without_meta_json"],
+           [("trainer/checkpoint.py", 'if m and p.is_dir() and (p / "meta.json").exists():', "if m and p.is_dir():")]),
+    Mutant("ckpt-load-oserror-only", "only an OSError from torch.load means unusable (a bad pickle crashes the resume)",
+           ["tests/trainer/test_checkpoint.py::test_a_hash_valid_state_that_does_not_unpickle_is_skipped"],
+           [("trainer/checkpoint.py", "except Exception as exc:  # noqa: BLE001", "except OSError as exc:  # noqa: BLE001")]),
+    Mutant("ckpt-resave-delete-then-rename", "a same-step re-save deletes the old folder, then renames the new one in",
+           ["tests/trainer/test_checkpoint.py::test_a_same_step_resave_killed_in_the_middle_keeps_the_step"],
+           [("trainer/checkpoint.py", "            os.rename(final, old)\n            os.rename(tmp, final)\n"
+             "            shutil.rmtree(old, ignore_errors=True)\n",
+             "            shutil.rmtree(final)\n            os.rename(tmp, final)\n")]),
+    Mutant("ckpt-no-recover", "nothing puts back a step a killed same-step swap left under .old- (the code before the fix)",
+           ["tests/trainer/test_checkpoint.py::test_a_same_step_resave_killed_in_the_middle_keeps_the_step"],
+           [("trainer/checkpoint.py", "        if not self.root.exists():\n            return\n        for p in sorted(",
+             "        if True:\n            return\n        for p in sorted(")]),
+    # -- sampling: the bonus token after every draft kept
+    Mutant("bonus-argmax", "with every draft kept at T > 0 the bonus token is the target's argmax, not a sample",
+           ["tests/trainer/test_sampling.py::test_the_bonus_token_is_sampled_from_the_targets_next_distribution",
+            "tests/trainer/test_sampling.py::test_the_bonus_token_after_every_draft_kept_follows_the_target_distribution"],
+           [("trainer/sampling.py", "    return n, int(draw(p[n], generator))", "    return n, int(p[n].argmax())")]),
+    # -- monitor: the hang check and the last good run
+    Mutant("hang-ignores-metrics", "metrics progress no longer re-arms the hang check (log bytes only)",
+           ["tests/orchestrator/test_monitor.py::test_metrics_progress_alone_rearms_the_hang_check"],
+           [("orchestrator/monitor.py", "progress = (log_bytes, metrics_seen)", "progress = (log_bytes, 0)")]),
+    Mutant("baseline-newer-run", "a run newer than the followed one may be its baseline",
+           ["tests/orchestrator/agent/test_baseline.py::test_a_newer_run_is_never_the_baseline"],
+           [("orchestrator/agent/tailer.py", "        if created_key(other) >= created_key(ref):\n            continue\n", "")]),
+    Mutant("baseline-stopped-exit-0", "any exit 0 is a good run (a run stopped by the user whose trainer exits 0 too)",
+           ["tests/orchestrator/agent/test_baseline.py::test_a_run_stopped_by_the_user_is_never_the_baseline_whatever_its_exit_code",
+            "tests/orchestrator/agent/test_baseline.py::test_a_real_run_stopped_with_exit_0_is_not_the_baseline_of_the_next"],
+           [("orchestrator/agent/tailer.py", 'state_of(exit_info, False, stopped_by(other, exit_info)) != "succeeded"',
+             'exit_info.get("exit_code") != 0')]),
+    # -- verification skip: the verified-wheels record
+    Mutant("skip-key-no-patch-version", "the Python patch version dropped from the key (3.11.4's verification skips on 3.11.9)",
+           ["tests/orchestrator/agent/test_importcheck.py::test_a_wheel_verified_under_another_patch_version_of_python_is_imported_again"],
+           [("orchestrator/agent/importcheck.py", "{sys.implementation.name}-{platform.python_version()}-{sys.platform}",
+             "{sys.implementation.name}-{'.'.join(platform.python_version().split('.')[:2])}-{sys.platform}")]),
+    Mutant("skip-records-failed", "a wheel whose import FAILED is recorded as verified (and skipped next time)",
+           ["tests/orchestrator/agent/test_importcheck.py::test_a_wheel_whose_import_failed_is_not_recorded_and_is_imported_again"],
+           [("orchestrator/agent/venvinfo.py", "if record is not None and not failed and not missing:",
+             "if record is not None and not missing:")]),
+    # -- gradient accumulation: several batches per drafter per step
+    Mutant("ddp-reduce-first-batch", "DDP all-reduces on the FIRST micro-batch of a step (the others stay local)",
+           ["tests/trainer/test_accumulation.py::test_two_drafters_with_two_batches_each_match_one_process_accumulating_four"],
+           [("trainer/loop.py", "last = j == len(items) - 1", "last = j == 0")]),
+    Mutant("accumulation-summed", "the step's batches' gradients summed, not averaged",
+           ["tests/trainer/test_accumulation.py::test_two_drafters_with_two_batches_each_match_one_process_accumulating_four"],
+           [("trainer/loop.py", "scale = 1.0 / len(items)", "scale = 1.0")]),
+    # -- follow: the reconnect policy of logs --follow
+    Mutant("follow-give-up-counts-every-outage", "progress resets the backoff but not the outage clock (the give-up counts every outage since the first)",
+           ["tests/orchestrator/ops/test_follow_reconnect.py::test_outages_separated_by_progress_each_get_the_whole_give_up_time"],
+           [("orchestrator/ops/logs.py", "            attempt, down_since = 0, None\n", "            attempt = 0\n")]),
+    Mutant("follow-host-key-transient", "a changed host key is retried as a dropped connection",
+           ["tests/orchestrator/ops/test_follow_reconnect.py::test_a_host_key_that_changed_during_a_follow_is_refused_at_once"],
+           [("orchestrator/ops/logs.py", "        return False  # a changed or unknown host key never fixes itself",
+             "        return True")]),
+    Mutant("follow-stopped-is-failed", "a stopped run's follow exits 1 like a failed one, not 5",
+           ["tests/orchestrator/ops/test_follow_reconnect.py::test_a_run_stopped_during_the_follow_ends_it_with_exit_code_5"],
+           [("orchestrator/ops/logs.py", '        if self.state == "stopped":\n            return EXIT_STOPPED\n', "")]),
+    # -- the venv script: switch, prune, no-op
+    Mutant("venv-prune-takes-previous", "pruning no longer protects `previous` (keep 1 deletes the venv a rollback needs)",
+           ["tests/orchestrator/test_rebuild_venv_switch.py::test_keep_1_keeps_the_previous_venv_and_a_rollback_finds_it"],
+           [("templates/rebuild_venv.sh", 'if [ "$d" = "$name" ] || [ "$d" = "$prev" ]; then', 'if [ "$d" = "$name" ]; then')]),
+    Mutant("venv-relink-not-atomic", "`current` relinked by rm, a pause, ln (a reader finds it missing meanwhile)",
+           ["tests/orchestrator/test_rebuild_venv_switch.py::test_a_reader_of_current_never_finds_it_missing_during_a_switch"],
+           [("templates/rebuild_venv.sh",
+             'relink() { ln -sfn -- "$2" "$venvs/.$1.tmp.$$" && mv -fT -- "$venvs/.$1.tmp.$$" "$venvs/$1"; }',
+             'relink() { rm -f -- "$venvs/$1" && sleep 0.3 && ln -sfn -- "$2" "$venvs/$1"; }')]),
+    Mutant("venv-noop-ignores-python", "the no-op check ignores the stamp's Python (another `python:` on the same lock: nothing to do)",
+           ["tests/orchestrator/test_rebuild_venv_switch.py::test_the_same_lock_under_another_python_request_is_not_a_no_op"],
+           [("templates/rebuild_venv.sh", '[ "$s_bundle" = "$bundle_hash" ] && [ "$s_py" = "$py_req" ]',
+             '[ "$s_bundle" = "$bundle_hash" ]')]),
 ]
 
 

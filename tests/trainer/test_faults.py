@@ -1,0 +1,162 @@
+"""Causes a failed rank cannot report itself, named by its launcher (trainer.faults, trainer.launch): an OOM kill
+by a real memory cgroup's limit, a full file system under the run directory; and the memory cgroup read as the
+kernel writes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.test_trainer_launch import REPO, SPLIT, env, small_config, write  # noqa: F401
+from orchestrator.agent import runprocs
+from orchestrator.signatures import Matcher, load_catalogue
+from trainer import faults
+
+MEMCG = Path("/sys/fs/cgroup/memory")
+LIMIT = 3 << 30
+
+
+def _named(text: str) -> list[str]:
+    m = Matcher(load_catalogue())
+    return [e.signature for line in text.splitlines() for e in m.feed_line(line)]
+
+
+def _start_in(cg: Path | None, cfg: Path, env: dict, run_dir: Path) -> subprocess.Popen:
+    def enter():
+        if cg is not None:
+            (cg / "cgroup.procs").write_text(str(os.getpid()))
+    return subprocess.Popen([sys.executable, "-m", "trainer.launch", "--config", str(cfg)],
+                            env={**env, "DFLASHCTL_RUN_DIR": str(run_dir)}, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=enter)
+
+
+def _read_until(proc: subprocess.Popen, prefix: str) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError("".join(lines)[-3000:])
+
+
+@pytest.mark.skipif(not (MEMCG / "memory.limit_in_bytes").exists() or os.geteuid() != 0,
+                    reason="needs root and cgroup v1's memory controller")
+def test_a_rank_killed_by_the_cgroups_oom_killer_is_named_with_the_limit(tmp_path, env):
+    """A real run in a memory cgroup of 3 GiB; a second process of the cgroup takes what is left, and the kernel's
+    OOM killer kills a rank (oom_score_adj makes it the victim). The launcher names the OOM kill, the limit, the
+    counter and the fix; root_cause.json carries it; the catalogue names it."""
+    cg = MEMCG / f"dflash-test-{os.getpid()}"
+    cg.mkdir()
+    hog = None
+    run_dir = tmp_path / "run"
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(LIMIT))
+        cfg = write(tmp_path / "c.json", small_config(run_dir, SPLIT, max_steps=400, epochs=100))
+        proc = _start_in(cg, cfg, env, run_dir)
+        lines = _read_until(proc, "[rank 1] step 2/")
+        ranks = [p for p in runprocs.run_processes(run_dir) if "trainer.rank" in p.argv]
+        victim = ranks[-1].pid
+        Path(f"/proc/{victim}/oom_score_adj").write_text("1000")
+        used = int((cg / "memory.usage_in_bytes").read_text())
+        take = LIMIT - used + (64 << 20)
+        hog = subprocess.Popen([sys.executable, "-c", (
+            "import os, time\nopen('/proc/self/oom_score_adj', 'w').write('-1000')\n"
+            f"open('{cg}/cgroup.procs', 'w').write(str(os.getpid()))\n"
+            f"x = bytearray(b'\\x01') * {take}\nprint('taken', flush=True)\ntime.sleep(120)\n")],
+            stdout=subprocess.PIPE, text=True)
+        rest = proc.stdout.read()
+        code = proc.wait(timeout=120)
+        out = "".join(lines) + rest
+        assert code == 1, out[-3000:]
+        assert f"pid {victim}) was killed by SIGKILL" in out, out[-3000:]
+        oom_lines = [ln for ln in out.splitlines() if "killed by the container's OOM killer" in ln]
+        assert oom_lines and oom_lines[0].startswith(
+            "[launch] killed by the container's OOM killer: 1 process(es) of this run at its memory limit 3072 MiB "
+            "(memory.oom_control oom_kill 0 -> 1); raise the limit on the Proxmox host: pct set "), out[-3000:]
+        assert "--memory 6144" in oom_lines[0]
+        doc = json.loads((run_dir / "root_cause.json").read_text())
+        assert doc["oom"]["kills"] == 1 and doc["oom"]["limit_mib"] == 3072 and doc["oom"]["cgroup"] == str(cg)
+        assert "container-oom-kill" in _named(out)
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        for p in runprocs.run_processes(run_dir):
+            os.kill(p.pid, signal.SIGKILL)
+        for _ in range(100):
+            if not (cg / "cgroup.procs").read_text().strip():
+                break
+            time.sleep(0.1)
+        cg.rmdir()
+
+
+def test_the_memory_cgroup_is_read_as_the_kernel_writes_it(tmp_path):
+    """cgroup v2 (memory.events, memory.max) and v1 (memory.oom_control, memory.limit_in_bytes, ~2^63 for none)."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n")
+    (v2 / "memory.max").write_text("536870912\n")
+    got = faults.memory_cgroup_at(v2, 2)
+    assert (got.limit_bytes, got.oom_kills, got.counter_file) == (512 << 20, 2, "memory.events")
+    (v2 / "memory.max").write_text("max\n")
+    assert faults.memory_cgroup_at(v2, 2).limit_bytes is None
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 4\n")
+    got = faults.memory_cgroup_at(v1, 1)
+    assert (got.limit_bytes, got.oom_kills) == (None, 4)
+    before = faults.MemoryCgroup(1, v1, None, 3)
+    assert faults.oom_since(before)["counter"] == "memory.oom_control oom_kill 3 -> 4"
+    assert faults.oom_since(faults.MemoryCgroup(1, v1, None, 4)) is None
+
+
+def _can_mount_tmpfs(path: Path) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], capture_output=True).returncode:
+        return False
+    subprocess.run(["umount", str(path)], check=True)
+    return True
+
+
+def test_a_disk_the_run_fills_at_its_end_is_named_and_the_cause_survives(tmp_path, env):
+    """The run directory on a 2 MiB tmpfs: the final checkpoint (the third of ~620 KiB) fills it. The launcher
+    names the full file system, root_cause.json still fits (the space reserved at launch is given back first),
+    and no temporary `*.tmp-PID` file of a dead writer is left."""
+    mnt = tmp_path / "small"
+    if os.geteuid() != 0 or not _can_mount_tmpfs(mnt):
+        pytest.skip("needs root to mount a tmpfs")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        run_dir = mnt / "run"
+        cfg = write(tmp_path / "c.json", small_config(run_dir, SPLIT, save_every=2))
+        (run_dir / "ranks").mkdir(parents=True)
+        (run_dir / "ranks" / f"left.tmp-{_dead_pid()}").write_text("half a write")  # a writer that died
+        proc = _start_in(None, cfg, env, run_dir)
+        out = proc.communicate(timeout=600)[0]
+        assert proc.returncode != 0, out[-3000:]
+        full = [ln for ln in out.splitlines() if ln.startswith("[launch] No space left on device: ")]
+        assert full and full[0].startswith(f"[launch] No space left on device: the file system of {run_dir} is full ("), \
+            out[-4000:]
+        assert f"`df -h {run_dir}`" in full[0]
+        doc = json.loads((run_dir / "root_cause.json").read_text())
+        assert doc["disk_full"]["path"] == str(run_dir) and doc["disk_full"]["free_bytes"] < faults.FULL_BYTES
+        assert "disk-full" in _named(out)
+        assert list(run_dir.rglob("*.tmp-*")) == [] or all(
+            not p.name.split(".tmp-")[-1].isdigit() for p in run_dir.rglob("*.tmp-*"))
+        assert not (run_dir / faults.RESERVE_NAME).exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
