@@ -488,6 +488,8 @@ class FakePVE:
             if unprivileged:
                 os.chown(workdir, pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
                 os.chown(ct.dir / "tmp", pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
+                # /usr/local/sbin is the container's own (the stand-in's hold point renames a file in it).
+                os.chown(ct.dir / "sbin", pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
             spec = {"image": image, "lower": built.lowerdirs(tmux=image == STOCK_TMUX), "workdir": str(workdir),
                     "mounts": [[str(storage), str(storage)]]}
             (ct.dir / "rootfs.json").write_text(json.dumps(spec, indent=1) + "\n")
