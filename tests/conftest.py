@@ -1,5 +1,5 @@
 """Shared fixtures. `fake_pve`: a fake Proxmox VE host (real sshd on 127.0.0.1, `pct` and `nvidia-smi`
-stand-ins, containers in their own namespaces); see tests/fakehost/README.md.
+stand-ins, real LXC containers); see tests/fakehost/README.md.
 
 Subdirectories add their own fixtures in their own conftest.py files.
 """
@@ -7,25 +7,14 @@ Subdirectories add their own fixtures in their own conftest.py files.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
 from fakehost import FakeContainer, FakePVE
+from fakehost.host import lxc_missing
 
 __all__ = ["FakeContainer", "FakePVE"]
-
-
-def _fake_host_missing() -> str | None:
-    if os.geteuid() != 0:
-        return "the fake Proxmox host needs root (unshare, nsenter, sshd)"
-    for tool in ("unshare", "nsenter", "ssh-keygen", "ssh"):
-        if shutil.which(tool) is None:
-            return f"the fake Proxmox host needs `{tool}`"
-    if not os.path.exists("/usr/sbin/sshd"):
-        return "the fake Proxmox host needs /usr/sbin/sshd (apt-get install openssh-server)"
-    return None
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +23,10 @@ def fake_pve():
 
     Set DFLASH_KEEP_FAKE_PVE=1 to keep its directory (sshd.log, pct-calls.jsonl) after the run.
     """
-    missing = _fake_host_missing()
+    missing = lxc_missing()
     if missing:
-        # Not a skip: CI runs as root with openssh-server installed; a silent skip would hide the suite.
-        pytest.fail(missing + " (run the tests as root, see .ci/run)")
+        # Not a skip: CI runs as root with lxc and openssh-server installed; a silent skip would hide the suite.
+        pytest.fail(missing + " (run the tests as root; .ci/run installs what the fake host needs)")
     host = FakePVE().start()
     try:
         yield host
@@ -78,7 +67,7 @@ def stock_cpu_venv(fake_pve, tmp_path_factory):
 
     old = os.environ.get("DFLASHCTL_STATE_DIR")
     os.environ["DFLASHCTL_STATE_DIR"] = str(tmp_path_factory.mktemp("stock-venv-state"))
-    ct = fake_pve.create_container(399, gpus=0, image=STOCK_TMUX)
+    ct = fake_pve.create_container(399, gpus=0, image=STOCK_TMUX, network=True)  # the lock's other wheels: PyPI
     target = ContainerTarget(name="ct399", workdir=ct.workdir, transport=fake_pve.pct_transport(399))
     try:
         profile = {"kind": "uv", "lock": "cpu", "python": "3.11", "wheelhouse": ["/opt/wheels"],

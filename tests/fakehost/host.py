@@ -8,9 +8,11 @@ directory over /tmp, so paths under the host's /tmp would vanish inside it):
   <base>/home/       HOME of ssh sessions: empty, so bash reads no rc file
   <base>/bin/        pct, ctinit (first on the ssh session's PATH)
   <base>/etc/pve/nodes/<node>/lxc/<id>.conf
+  <base>/lxc/<id>/config   the LXC config `pct start` writes (lxcpath <base>/lxc)
   <base>/ct/<id>/    a container: tmp/, sbin/ (nvidia-smi + .gpus.json), work/ (the target workdir),
                      proc-driver/nvidia/version (the host's kernel module, seen as /proc/driver inside),
-                     init.pid, ready, init.log
+                     lxc.log; a stock one also rootfs.json, overlay/delta and overlay/work (its disk), rootfs/ (the
+                     overlay, mounted while it runs)
   <base>/pct-calls.jsonl, <base>/pct-delay
 
 See tests/fakehost/README.md.
@@ -105,6 +107,29 @@ def cleanup_stale(parent: Path) -> list[Path]:
     return cleaned
 
 
+def lxc_missing() -> str | None:
+    """Why this machine cannot run the fake host's LXC containers (None when it can): root, sshd, lxc's
+    tools, and the id range Proxmox maps unprivileged containers to (root:100000:65536 in /etc/subuid and
+    /etc/subgid). .ci/run installs and writes all of it."""
+    if os.geteuid() != 0:
+        return "the fake Proxmox host needs root (lxc-start, sshd)"
+    for tool in ("lxc-start", "lxc-attach", "lxc-stop", "lxc-info", "ssh-keygen", "ssh"):
+        if shutil.which(tool) is None:
+            return f"the fake Proxmox host needs `{tool}` on PATH (apt-get install lxc openssh-client)"
+    if not os.path.exists("/usr/sbin/sshd"):
+        return "the fake Proxmox host needs /usr/sbin/sshd (apt-get install openssh-server)"
+    want = f"root:{pct_impl.ID_SHIFT}:{pct_impl.ID_RANGE}"
+    for path in ("/etc/subuid", "/etc/subgid"):
+        try:
+            lines = Path(path).read_text().split()
+        except OSError:
+            lines = []
+        if want not in lines:
+            return (f"unprivileged containers need `{want}` in {path}, as on a Proxmox node "
+                    f"(echo {want} >> {path})")
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,7 +209,8 @@ class FakeContainer:
 
     @property
     def running(self) -> bool:
-        return pct_impl.init_pid(self.host.base, self.ctid) is not None
+        """lxc's own state (`lxc-info -s`) is RUNNING."""
+        return pct_impl.lxc_state(self.host.base, self.ctid) == "RUNNING"
 
     @property
     def pid(self) -> int | None:
@@ -199,6 +225,7 @@ class FakeContainer:
         """Stop it: everything inside dies with the init (no pct call is logged)."""
         if self.running:
             pct_impl.stop(self.host.base, self.ctid)
+        pct_impl.unmount_rootfs(self.host.base, self.ctid)  # also after a container that died on its own
 
     def _gpu_file(self) -> Path:
         return self.dir / "sbin" / ".gpus.json"
@@ -250,11 +277,32 @@ class FakeContainer:
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run argv inside the container from the test process, as `pct exec --keep-env 0` would (no pct
         call is logged). Raises RuntimeError when the container is not running."""
-        pid = self.pid
-        if pid is None:
+        if not self.running:
             raise RuntimeError(f"CT {self.ctid} is not running")
-        return subprocess.run(pct_impl.nsenter_argv(pid, list(argv)), input=input, capture_output=True,
-                              timeout=timeout, env=env or pct_impl.exec_env(False))
+        argv = pct_impl.attach_argv(self.host.base, self.ctid, list(argv), keep_env=env is not None)
+        return subprocess.run(argv, input=input, capture_output=True, timeout=timeout,
+                              env=env if env is not None else pct_impl.exec_env(False))
+
+    def to_container(self, path: Path | str) -> None:
+        """Give `path` (a file or directory the test made from the host, recursively) to the container's
+        root: an unprivileged container's root is uid/gid 100000 outside and cannot write what the host's
+        root owns, as on a real node (an admin chowns a bind-mounted directory the same way)."""
+        if not self.unprivileged:
+            return
+        for dirpath, dirnames, filenames in os.walk(path):
+            for name in [None, *dirnames, *filenames]:
+                p = dirpath if name is None else os.path.join(dirpath, name)
+                os.lchown(p, pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
+        if not os.path.isdir(path):
+            os.lchown(path, pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
+
+    @property
+    def unprivileged(self) -> bool:
+        """`unprivileged: 1` in its PVE config (every stock container by default, as Proxmox creates them)."""
+        try:
+            return dict(pct_impl.read_conf(self.host.base, self.ctid)).get("unprivileged") == "1"
+        except pct_impl.Die:
+            return False
 
     def __repr__(self) -> str:
         return f"FakeContainer({self.ctid}, running={self.running})"
@@ -272,6 +320,7 @@ class FakePVE:
             parent.mkdir(parents=True, exist_ok=True)
             cleanup_stale(parent)
             base = Path(tempfile.mkdtemp(prefix="dflash-fakepve-", dir=parent))
+            base.chmod(0o755)  # an unprivileged container's root (100000) must reach its overlay's upper dir
             (base / "owner.pid").write_text(f"{os.getpid()}\n")
         self.base = Path(base)
         self.node = node
@@ -287,15 +336,11 @@ class FakePVE:
     # ------------------------------------------------------------------------------------------ setup
 
     def start(self) -> "FakePVE":
-        if os.geteuid() != 0:
-            raise RuntimeError("the fake Proxmox host needs root (unshare/nsenter and sshd)")
-        for tool in ("unshare", "nsenter", "ssh-keygen", "mount"):
-            if shutil.which(tool) is None:
-                raise RuntimeError(f"the fake Proxmox host needs `{tool}` on PATH")
-        if not os.path.exists("/usr/sbin/sshd"):
-            raise RuntimeError("the fake Proxmox host needs /usr/sbin/sshd (apt-get install openssh-server)")
+        missing = lxc_missing()
+        if missing:
+            raise RuntimeError(missing)
         b = self.base
-        for sub in ("ssh", "client", "home", "bin", "ct", f"etc/pve/nodes/{self.node}/lxc"):
+        for sub in ("ssh", "client", "home", "bin", "ct", "lxc", f"etc/pve/nodes/{self.node}/lxc"):
             (b / sub).mkdir(parents=True, exist_ok=True)
         (b / "node").write_text(self.node + "\n")
         (b / "pct-delay").write_text("0\n")
@@ -396,16 +441,30 @@ class FakePVE:
         return rootfs.storage_dir()
 
     def create_container(self, ctid: int, gpus: int = 8, running: bool = True, hostname: str | None = None,
-                         image: str | None = None) -> FakeContainer:
-        """Create (or re-create, fresh) container `ctid` with `gpus` stand-in GPUs, all at 0 MiB used.
+                         image: str | None = None, memory_mib: int = 65536, swap_mib: int = 0,
+                         network: bool = False, unprivileged: bool | None = None) -> FakeContainer:
+        """Create (or re-create, fresh) LXC container `ctid` with `gpus` stand-in GPUs, all at 0 MiB used.
 
         Args:
-            image: None: the host's file system shared (fast; for tests of pct, ssh, the agent protocol).
-                STOCK: its own Debian 12 root file system (python3 under PEP 668; no pip, uv or tmux), built
-                once and cached (rootfs.py). STOCK_TMUX: the same with tmux installed.
+            image: None: a privileged container over the host's file system (fast; for tests of pct, ssh,
+                the agent protocol). STOCK: its own Debian 12 root file system (systemd as PID 1, python3
+                under PEP 668; no pip, uv or tmux), built once and cached (rootfs.py). STOCK_TMUX: the same
+                with tmux installed.
+            memory_mib, swap_mib: the `memory:` / `swap:` keys (MiB), the cgroup's limits as Proxmox sets
+                them (v1: memory.limit_in_bytes / memory.memsw.limit_in_bytes; v2: memory.max /
+                memory.swap.max). Proxmox's own default is 512; the fake's is 64 GiB, i.e. no limit here.
+            network: False: no network at all (lxc.net.0.type = empty, loopback only), as a container whose
+                net0 reaches nothing. True: the host's network namespace (lxc.net.0.type = none): for tests
+                that download from PyPI or Debian inside; a `net0:` line appears in its config.
+            unprivileged: default True for a stock container (uid 0 inside is 100000 outside), as Proxmox
+                creates them; a shared-root one is always privileged.
         """
         if image is not None and image not in IMAGES:
             raise ValueError(f"unknown image {image!r}; use one of {IMAGES}")
+        if unprivileged is None:
+            unprivileged = image is not None
+        if unprivileged and image is None:
+            raise ValueError("a shared-root container (image=None) is privileged: it shares the host's files")
         ct = FakeContainer(self, ctid)
         self.remove_container(ctid)
         for sub in ("tmp", "sbin", "work"):
@@ -420,6 +479,17 @@ class FakePVE:
             workdir = storage / "work" / f"{self.base.name}-{ctid}"
             _discard(workdir)
             workdir.mkdir(parents=True)
+            # lxc's overlay rootfs: the upper layer `overlay/delta` and its work dir `overlay/work` beside it
+            # (lxc's own snapshot layout), owned by the container's root as its writes are.
+            for d in (ct.dir / "overlay", pct_impl.upper_dir(self.base, ctid), ct.dir / "overlay" / "work"):
+                d.mkdir()
+                if unprivileged:
+                    os.chown(d, pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
+            if unprivileged:
+                os.chown(workdir, pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
+                os.chown(ct.dir / "tmp", pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
+                # /usr/local/sbin is the container's own (the stand-in's hold point renames a file in it).
+                os.chown(ct.dir / "sbin", pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
             spec = {"image": image, "lower": built.lowerdirs(tmux=image == STOCK_TMUX), "workdir": str(workdir),
                     "mounts": [[str(storage), str(storage)]]}
             (ct.dir / "rootfs.json").write_text(json.dumps(spec, indent=1) + "\n")
@@ -442,12 +512,13 @@ class FakePVE:
             "arch: amd64",
             "cores: 16",
             f"hostname: {hostname or f'ct{ctid}'}",
-            "memory: 65536",
-            "net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:00:01,ip=dhcp,type=veth",
-            "ostype: debian",
-            f"rootfs: local-lvm:vm-{ctid}-disk-0,size=64G",
-            "swap: 0",
+            f"memory: {int(memory_mib)}",
         ]
+        if network:
+            lines.append("net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:00:01,ip=dhcp,type=veth")
+        lines += ["ostype: debian", f"rootfs: local-lvm:vm-{ctid}-disk-0,size=64G", f"swap: {int(swap_mib)}"]
+        if unprivileged:
+            lines.append("unprivileged: 1")
         devs = [f"/dev/nvidia{i}" for i in range(gpus)]
         if gpus:
             devs += ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
@@ -469,6 +540,7 @@ class FakePVE:
         if ct.image is not None:
             _discard(Path(ct.workdir))
         pct_impl.conf_path(self.base, ctid).unlink(missing_ok=True)
+        shutil.rmtree(pct_impl.lxc_path(self.base) / str(ctid), ignore_errors=True)
         shutil.rmtree(ct.dir, ignore_errors=True)
 
     def container(self, ctid: int) -> FakeContainer:
@@ -546,3 +618,4 @@ class FakePVE:
 
     def __exit__(self, *exc) -> None:
         self.close()
+

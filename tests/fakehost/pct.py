@@ -5,8 +5,9 @@ Texts, exit codes and the PATH reset follow docs/remote-stack.md §1 (pve-contai
 through (128+signo when a signal killed it), and `pct` resets PATH to /sbin:/bin:/usr/sbin:/usr/bin
 before anything runs.
 
-A container is a directory `<base>/ct/<id>/` whose init process holds its own mount+pid+uts namespaces
-(`unshare`); `exec` joins them with `nsenter`, like lxc-attach, and runs argv without a shell.
+A container is a real LXC container (lxcpath `<base>/lxc`, its files in `<base>/ct/<id>/`): `start` writes
+its lxc config from the PVE config and runs `lxc-start`, `stop` is `lxc-stop --kill`, the state is
+`lxc-info -s`, `exec` is `lxc-attach --keep-env|--clear-env -- argv` (no shell), as pve-container does.
 
 Knobs (files, so the fixture can change them between calls):
   <base>/pct-delay        seconds to sleep before every call (models Perl start-up)
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -83,22 +83,32 @@ def read_conf(base: Path, ctid: int) -> list[tuple[str, str]]:
     return pairs
 
 
-def init_pid(base: Path, ctid: int) -> int | None:
-    """The host pid of the container's init, or None when it is not running.
+def lxc_path(base: Path) -> Path:
+    """lxc's "lxcpath" of this fake host (`-P`): `<base>/lxc/<id>/config`, as /var/lib/lxc/<id>/config is on
+    a Proxmox node; one per fake host, so two test sessions' containers of one id never meet."""
+    return base / "lxc"
 
-    The pid file holds `pid pidns-inode`; the inode check makes a recycled pid read as stopped.
-    """
-    try:
-        pid_s, ns = (ct_dir(base, ctid) / "init.pid").read_text().split()
-        pid = int(pid_s)
-        if os.readlink(f"/proc/{pid}/ns/pid") != ns:
-            return None
-        with open(f"/proc/{pid}/stat") as fh:  # a zombie init means the namespace is gone
-            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return None
-        return pid
-    except (OSError, ValueError):
+
+def lxc_argv(base: Path, tool: str, ctid: int, *args: str) -> list[str]:
+    return [f"lxc-{tool}", "-n", str(ctid), "-P", str(lxc_path(base)), *args]
+
+
+def lxc_state(base: Path, ctid: int) -> str:
+    """lxc's own state of the container (`lxc-info -s`): RUNNING, STOPPED, STARTING, ... (STOPPED when lxc
+    does not know it)."""
+    if not (lxc_path(base) / str(ctid) / "config").is_file():
+        return "STOPPED"
+    proc = subprocess.run(lxc_argv(base, "info", ctid, "-s", "-H"), capture_output=True, text=True)
+    return proc.stdout.strip() or "STOPPED"
+
+
+def init_pid(base: Path, ctid: int) -> int | None:
+    """The host pid of the container's init (`lxc-info -p`), or None when it is not running."""
+    if not (lxc_path(base) / str(ctid) / "config").is_file():
         return None
+    proc = subprocess.run(lxc_argv(base, "info", ctid, "-p", "-H"), capture_output=True, text=True)
+    text = proc.stdout.strip()
+    return int(text) if proc.returncode == 0 and text.isdigit() else None
 
 
 def parse_vmid(text: str) -> int:
@@ -110,85 +120,231 @@ def parse_vmid(text: str) -> int:
 # ------------------------------------------------------------------------------------------- lifecycle
 
 
-def start(base: Path, ctid: int, timeout: float = 10.0) -> int:
-    """Start the container's init in new mount+pid+uts namespaces; return its host pid."""
-    conf = dict(read_conf(base, ctid))
-    if init_pid(base, ctid) is not None:
-        raise Die(f"CT {ctid} already running")
-    root = ct_dir(base, ctid)
-    ready = root / "ready"
-    ready.unlink(missing_ok=True)
-    init = base / "bin" / "ctinit"
-    hostname = conf.get("hostname", f"ct{ctid}")
-    log = open(root / "init.log", "ab")
-    proc = subprocess.Popen(
-        ["unshare", "--mount", "--pid", "--uts", "--fork", "--mount-proc", "--propagation", "private",
-         str(init), str(root), hostname],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
-    )
-    log.close()
-    deadline = time.monotonic() + timeout
-    child = None
-    while time.monotonic() < deadline:
-        if child is None:
-            try:
-                kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-                child = int(kids[0]) if kids else None
-            except OSError:
-                child = None
-        if child is not None and ready.exists():
-            ns = os.readlink(f"/proc/{child}/ns/pid")
-            tmp = root / "init.pid.tmp"
-            tmp.write_text(f"{child} {ns}\n")
-            os.replace(tmp, root / "init.pid")
-            return child
-        if proc.poll() is not None:
-            break
-        time.sleep(0.01)
-    if proc.poll() is None:
-        proc.kill()
-    detail = (root / "init.log").read_text(errors="replace").strip().splitlines()[-3:]
-    raise Die(f"startup for container '{ctid}' failed: {' | '.join(detail) or 'init did not become ready'}")
+ID_SHIFT, ID_RANGE = 100000, 65536  # root:100000:65536 in /etc/subuid and /etc/subgid, as on a PVE node
+LXC_CONFIG_DIR = Path("/usr/share/lxc/config")
+PVE_BEGIN, PVE_END = "# --- BEGIN PVE ---", "# --- END PVE ---"
 
 
-def stop(base: Path, ctid: int, timeout: float = 10.0) -> None:
-    """Kill the init: the pid namespace dies with it, and so does everything inside (tmux too)."""
-    read_conf(base, ctid)
-    pid = init_pid(base, ctid)
-    if pid is None:
-        raise Die(f"CT {ctid} not running")
+def cgroup_v2() -> bool:
+    """The host's cgroup layout: unified (v2, as on Proxmox VE 7+) or legacy/hybrid (v1)."""
+    return os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+
+
+def rootfs_spec(base: Path, ctid: int) -> dict | None:
+    """`<ct>/rootfs.json` of a stock container (image layers, mount points), None for a shared-root one."""
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        return json.loads((ct_dir(base, ctid) / "rootfs.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def upper_dir(base: Path, ctid: int) -> Path:
+    """A stock container's own layer (its writes, kept across stop/start like its disk) over the image."""
+    return ct_dir(base, ctid) / "overlay" / "delta"
+
+
+def memory_lines(conf: dict[str, str]) -> list[str]:
+    """The cgroup limits of the `memory:` and `swap:` keys (MiB), in the host's controller files, as
+    pve-container writes them: v1 memory.limit_in_bytes and memory.memsw.limit_in_bytes (memory + swap),
+    v2 memory.max and memory.swap.max."""
+    mem = int(conf.get("memory", "512")) * 1024 * 1024
+    swap = int(conf.get("swap", "0")) * 1024 * 1024
+    if cgroup_v2():
+        return [f"lxc.cgroup2.memory.max = {mem}", f"lxc.cgroup2.memory.swap.max = {swap}"]
+    lines = [f"lxc.cgroup.memory.limit_in_bytes = {mem}"]
+    if os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes"):
+        lines.append(f"lxc.cgroup.memory.memsw.limit_in_bytes = {mem + swap}")
+    return lines
+
+
+def lxc_config(base: Path, ctid: int, conf: dict[str, str]) -> str:
+    """The lxc config of the container, regenerated at every start from its PVE config (as pve-container's
+    update_lxc_config does). A stock container (own rootfs) is unprivileged with Proxmox's id map and boots
+    the image's systemd; a shared-root one is a privileged container over the host's / with a reaper as init
+    (it shares the host's files, which an id-mapped root could not write)."""
+    d = ct_dir(base, ctid)
+    spec = rootfs_spec(base, ctid)
+    lines = ["lxc.arch = amd64", f"lxc.uts.name = {conf.get('hostname', f'ct{ctid}')}",
+             f"lxc.include = {LXC_CONFIG_DIR / 'common.conf'}"]
+    if spec is not None and conf.get("unprivileged", "0") == "1":
+        lines += [f"lxc.include = {LXC_CONFIG_DIR / 'userns.conf'}",
+                  f"lxc.idmap = u 0 {ID_SHIFT} {ID_RANGE}", f"lxc.idmap = g 0 {ID_SHIFT} {ID_RANGE}"]
+    # No network unless the test asked for one (`lxc.net.0.type = none`: the host's network namespace).
+    host_net = bool(conf.get("net0"))
+    lines.append(f"lxc.net.0.type = {'none' if host_net else 'empty'}")
+    # The container's own cgroup (namespaced) mounted in /sys/fs/cgroup even when init does not mount it.
+    if host_net and spec is not None:
+        # A user namespace may mount sysfs only in a network namespace it owns: with the host's network
+        # the host's /sys is bound instead (read-only).
+        lines += ["lxc.mount.auto =", "lxc.mount.auto = proc:mixed cgroup:mixed:force",
+                  "lxc.mount.entry = /sys sys none rbind,ro,create=dir 0 0"]
+    else:
+        lines += ["lxc.mount.auto = cgroup:mixed:force"]
+    lines += memory_lines(conf)
+    if spec is not None:
+        lines.append(f"lxc.rootfs.path = dir:{d / 'rootfs'}")  # the overlay mount_rootfs made
+    else:
+        lines += ["lxc.rootfs.path = dir:/", f"lxc.init.cmd = {base / 'bin' / 'ctinit'}"]
+    binds = [(d / "tmp", "tmp"), (d / "sbin", "usr/local/sbin")]
+    if spec is not None:
+        binds += [(Path(src), dest.lstrip("/")) for src, dest in spec.get("mounts", [])]
+    for src, dest in binds:
+        lines.append(f"lxc.mount.entry = {src} {dest} none rbind,create=dir 0 0")
+    # The host's NVIDIA kernel module as the container sees it (/proc/driver/nvidia/version).
+    lines.append(f"lxc.mount.entry = {d / 'proc-driver'} proc/driver none bind,optional 0 0")
+    lines += [f"lxc.log.file = {d / 'lxc.log'}", "lxc.log.level = WARN"]
+    return "\n".join(lines) + "\n"
+
+
+def _hosts_text(old: str, hostname: str) -> str:
+    """/etc/hosts as Proxmox's container setup writes it at every start: localhost, and the host name
+    (127.0.1.1) in a marked block it owns; lines outside the block are the user's and stay. A debootstrap
+    image has no /etc/hosts at all, and without it `localhost` does not resolve (torch's rendezvous asks)."""
+    keep, inside = [], False
+    for line in old.splitlines():
+        if line.strip() == PVE_BEGIN:
+            inside = True
+        elif line.strip() == PVE_END:
+            inside = False
+        elif not inside:
+            keep.append(line)
+    block = [PVE_BEGIN, f"127.0.1.1 {hostname}.localdomain {hostname}", PVE_END]
+    if not any("localhost" in line.split()[1:] for line in keep if line.strip()):
+        keep = ["127.0.0.1 localhost.localdomain localhost", "::1 localhost ip6-localhost ip6-loopback", *keep]
+    return "\n".join(keep + block) + "\n"
+
+
+def pve_managed_files(base: Path, ctid: int, spec: dict, hostname: str) -> None:
+    """What Proxmox writes into a Debian container's root before every start (unless the container has
+    /etc/.pve-ignore.<file>): /etc/hostname and its block of /etc/hosts. Written into the overlay's upper
+    layer (the container's own disk), owned by the container's root."""
+    upper = upper_dir(base, ctid)
+    layers = [upper, *(Path(p) for p in spec["lower"])]
+
+    def current(rel: str) -> Path | None:
+        return next((layer / rel for layer in layers if (layer / rel).exists()), None)
+
+    etc = upper / "etc"
+    if not etc.exists():
+        etc.mkdir(mode=0o755)
+        os.chown(etc, ID_SHIFT, ID_SHIFT)
+    for name, text in (("hostname", lambda old: f"{hostname}\n"), ("hosts", lambda old: _hosts_text(old, hostname))):
+        if current(f"etc/.pve-ignore.{name}") is not None:
+            continue
+        src = current(f"etc/{name}")
+        old = src.read_text() if src is not None else ""
+        tmp = etc / f".{name}.pve-tmp"
+        tmp.write_text(text(old))
+        os.chown(tmp, ID_SHIFT, ID_SHIFT)
+        os.replace(tmp, etc / name)
+
+
+def _mounted(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as fh:
+        return any(line.split()[4] == str(path) for line in fh)
+
+
+def mount_rootfs(base: Path, ctid: int, spec: dict) -> None:
+    """Mount a stock container's root file system on the host at `<ct>/rootfs` before lxc-start, as
+    pve-container mounts a container's volumes first: an overlay of the image's layers (read-only, shared by
+    every container) and this container's own layer. Mounted by the host's root, not in the container's user
+    namespace: an overlay mounted there would refuse directory renames (EXDEV; dpkg fails on them)."""
+    root = ct_dir(base, ctid) / "rootfs"
+    root.mkdir(exist_ok=True)
+    if _mounted(root):
+        return
+    work = upper_dir(base, ctid).parent / "work"
+    opts = f"lowerdir={':'.join(spec['lower'])},upperdir={upper_dir(base, ctid)},workdir={work}"
+    proc = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(root)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise Die(f"startup for container '{ctid}' failed: mounting its root file system: {proc.stderr.strip()}")
+
+
+def unmount_rootfs(base: Path, ctid: int) -> None:
+    """Undo mount_rootfs (after the container stopped; nothing when it is not mounted)."""
+    root = ct_dir(base, ctid) / "rootfs"
+    if _mounted(root):
+        subprocess.run(["umount", str(root)], capture_output=True, check=True)
+
+
+def _boot_wait(base: Path, ctid: int, deadline: float) -> str:
+    """Wait until the container's systemd has finished booting (`systemctl is-system-running --wait`):
+    pct start returns earlier on a real node, but a test that writes /tmp right after the start would race
+    systemd-tmpfiles' boot-time cleaning of it. Returns systemd's answer (running, degraded)."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            proc = subprocess.run(lxc_argv(base, "attach", ctid, "--clear-env", "--", "systemctl",
+                                           "is-system-running", "--wait"),
+                                  capture_output=True, text=True, timeout=max(left, 1))
+        except subprocess.TimeoutExpired:
+            return "timeout"
+        state = proc.stdout.strip()
+        if state in ("running", "degraded") or time.monotonic() > deadline:
+            return state or proc.stderr.strip()
+        time.sleep(0.05)  # "offline": systemd itself is not up yet
+
+
+def start(base: Path, ctid: int, timeout: float = 60.0) -> int:
+    """Start the container with lxc-start (its config written first, as pve-container does); return its
+    init's host pid once it is up (a stock container: once its systemd has booted)."""
+    conf = dict(read_conf(base, ctid))
+    if lxc_state(base, ctid) != "STOPPED":
+        raise Die(f"CT {ctid} already running")
+    d = ct_dir(base, ctid)
+    spec = rootfs_spec(base, ctid)
+    if spec is not None:
+        pve_managed_files(base, ctid, spec, conf.get("hostname", f"ct{ctid}"))
+        mount_rootfs(base, ctid, spec)
+    cfg_dir = lxc_path(base) / str(ctid)
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cfg_dir / "config.tmp"
+    tmp.write_text(lxc_config(base, ctid, conf))
+    os.replace(tmp, cfg_dir / "config")
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and init_pid(base, ctid) is not None:
-        time.sleep(0.01)
-    (ct_dir(base, ctid) / "init.pid").unlink(missing_ok=True)
+    proc = subprocess.run(lxc_argv(base, "start", ctid), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    pid = init_pid(base, ctid)
+    if proc.returncode != 0 or pid is None:
+        log = (d / "lxc.log").read_text(errors="replace") if (d / "lxc.log").exists() else ""
+        # lxc logs the cause first, then the generic "Failed to spawn" and "ABORTING" lines.
+        detail = [ln.split(" - ", 2)[-1] for ln in (log + proc.stderr).strip().splitlines() if "ERROR" in ln][:3]
+        raise Die(f"startup for container '{ctid}' failed" + (": " + " | ".join(detail) if detail else ""))
+    if spec is not None:
+        state = _boot_wait(base, ctid, deadline)
+        if state not in ("running", "degraded"):
+            raise Die(f"startup for container '{ctid}' failed: systemd did not finish booting ({state})")
+    return pid
+
+
+def stop(base: Path, ctid: int) -> None:
+    """`lxc-stop --kill`, as `pct stop` ends: SIGKILL to the init, the kernel kills everything in its pid
+    namespace (tmux servers and orphans too)."""
+    read_conf(base, ctid)
+    if lxc_state(base, ctid) == "STOPPED":
+        raise Die(f"CT {ctid} not running")
+    proc = subprocess.run(lxc_argv(base, "stop", ctid, "--kill"), capture_output=True, text=True)
+    if proc.returncode != 0 and lxc_state(base, ctid) != "STOPPED":
+        raise Die(f"stopping CT {ctid} failed: {proc.stderr.strip()}")
+    unmount_rootfs(base, ctid)
 
 
 def exec_env(keep_env: bool) -> dict[str, str]:
-    """The environment the command gets, like lxc-attach --keep-env / --clear-env after pct's PATH reset."""
-    if keep_env:
-        env = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
-        env["PATH"] = PCT_PATH
-        return env
-    return {"container": "lxc", "PATH": CLEAR_ENV_PATH}
+    """The environment lxc-attach is started with after pct's PATH reset (with --clear-env, lxc-attach
+    itself leaves only `container=lxc` and its default PATH)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
+    env["PATH"] = PCT_PATH
+    return env
 
 
-def nsenter_argv(pid: int, argv: list[str]) -> list[str]:
-    """Join the container's namespaces with its init's root and working directory (both its "/"; a path
-    given to --root/--wd would be opened in the host's mount namespace, outside a stock container's root)."""
-    return ["nsenter", "-t", str(pid), "-m", "-p", "-u", "-r", "-w", "--", *argv]
+def attach_argv(base: Path, ctid: int, argv: list[str], keep_env: bool) -> list[str]:
+    """pve-container's `pct exec`: lxc-attach with --keep-env or --clear-env, argv after `--`, no shell."""
+    return lxc_argv(base, "attach", ctid, "--keep-env" if keep_env else "--clear-env", "--", *argv)
 
 
 def run_in(base: Path, ctid: int, argv: list[str], keep_env: bool) -> int:
-    """Run argv inside the container; return its status (128+signo when killed by a signal)."""
-    pid = init_pid(base, ctid)
-    if pid is None:
-        raise Die(f"container '{ctid}' not running!")
-    # nsenter resolves argv[0] with the PATH it is given, like lxc-attach inside the container.
-    proc = subprocess.Popen(nsenter_argv(pid, argv), env=exec_env(keep_env))
+    """Run argv inside the (running: cmd_exec checked) container; return its status (lxc-attach's:
+    128+signo when killed by a signal)."""
+    proc = subprocess.Popen(attach_argv(base, ctid, argv, keep_env), env=exec_env(keep_env))
     while True:
         try:
             code = proc.wait()
@@ -250,7 +406,7 @@ def cmd_list(base: Path, args: list[str]) -> int:
     for path in sorted(lxc.glob("*.conf"), key=lambda p: int(p.stem)):
         ctid = int(path.stem)
         conf = dict(read_conf(base, ctid))
-        state = "running" if init_pid(base, ctid) is not None else "stopped"
+        state = "running" if lxc_state(base, ctid) == "RUNNING" else "stopped"
         rows.append((str(ctid), state, conf.get("lock", ""), conf.get("hostname", f"CT{ctid}")))
     if not rows:
         return 0  # real pct prints nothing at all, not even the header
@@ -269,8 +425,8 @@ def cmd_status(base: Path, args: list[str]) -> int:
     opts, pos, _ = parse_options(args, {"verbose": False})
     ctid = need_vmid("status", pos)
     conf = dict(read_conf(base, ctid))
-    pid = init_pid(base, ctid)
-    state = "running" if pid is not None else "stopped"
+    state = "running" if lxc_state(base, ctid) == "RUNNING" else "stopped"
+    pid = init_pid(base, ctid) if state == "running" else None
     if opts.get("verbose"):
         info = {"status": state, "name": conf.get("hostname", ""), "cpus": conf.get("cores", "1"),
                 "maxmem": str(int(conf.get("memory", "512")) * 1024 * 1024), "pid": str(pid or "")}
@@ -314,7 +470,7 @@ def cmd_exec(base: Path, args: list[str]) -> int:
     if keep not in ("0", "1"):
         raise Die(f"400 Parameter verification failed.\nkeep-env: type check ('boolean') failed - got '{keep}'\n")
     read_conf(base, ctid)
-    if init_pid(base, ctid) is None:
+    if lxc_state(base, ctid) != "RUNNING":
         raise Die(f"container '{ctid}' not running!")
     if not command:
         raise Die("missing command")
@@ -327,7 +483,7 @@ def cmd_push(base: Path, args: list[str]) -> int:
     if len(pos) != 3:
         raise Die(f"400 not enough arguments\n{USAGE['push']}\n")
     read_conf(base, ctid)
-    if init_pid(base, ctid) is None:
+    if lxc_state(base, ctid) != "RUNNING":
         raise Die("can only push files to a running CT")
     src, dest = pos[1], pos[2]
     try:
@@ -337,7 +493,7 @@ def cmd_push(base: Path, args: list[str]) -> int:
     perms = opts.get("perms", "0644")
     # Write inside the container's mount namespace (its /tmp is private), temp + rename.
     script = 'set -e; tmp="$1.pct-push.$$"; cat > "$tmp"; chmod "$2" "$tmp"; mv -f "$tmp" "$1"'
-    proc = subprocess.run(nsenter_argv(init_pid(base, ctid), ["sh", "-c", script, "push", dest, perms]),
+    proc = subprocess.run(attach_argv(base, ctid, ["sh", "-c", script, "push", dest, perms], False),
                           input=data, env=exec_env(False), capture_output=True)
     if proc.returncode != 0:
         raise Die(f"failed to write {dest}: {proc.stderr.decode(errors='replace').strip()}")
@@ -350,10 +506,10 @@ def cmd_pull(base: Path, args: list[str]) -> int:
     if len(pos) != 3:
         raise Die(f"400 not enough arguments\n{USAGE['pull']}\n")
     read_conf(base, ctid)
-    if init_pid(base, ctid) is None:
+    if lxc_state(base, ctid) != "RUNNING":
         raise Die("can only pull files from a running VM")  # sic, as in pct.pm
     src, dest = pos[1], pos[2]
-    proc = subprocess.run(nsenter_argv(init_pid(base, ctid), ["cat", "--", src]),
+    proc = subprocess.run(attach_argv(base, ctid, ["cat", "--", src], False),
                           env=exec_env(False), capture_output=True)
     if proc.returncode != 0:
         raise Die(f"failed to open {src} for reading")

@@ -11,9 +11,10 @@ changed recipe builds a new one and a second run reuses the first:
   <cache>/rootfs/debian-12-<key>/tmux/   an overlay layer over root/ with tmux installed by apt (for tests
                                          about launching, which need a tmux and not its installation)
   <cache>/rootfs/debian-12-<key>/built.json   {"seconds": ..., "recipe": ...}
-  <cache>/storage/                       the fake host's storage, bind-mounted into every stock container at
+  <cache>/ct-storage/                    the fake host's storage, bind-mounted into every stock container at
                                          the same path (a PVE mount point): container workdirs and a uv
-                                         cache the tests share (see README.md)
+                                         cache the tests share (see README.md); owned by the unprivileged
+                                         containers' root (100000), as an admin chowns such a directory
 
 Atomic: everything is built in `.build-<key>-<pid>/` and renamed into place last, under an exclusive
 flock, so an interrupted build is never reused (the next build removes it) and two test processes never
@@ -38,9 +39,15 @@ SUITE = "bookworm"
 MIRROR = os.environ.get("DFLASHCTL_FAKEHOST_MIRROR", "http://deb.debian.org/debian")
 # What Proxmox's debian-12-standard template has that matters here: python3 (Debian's, PEP 668),
 # ca-certificates, procps. It has no tmux, no pip, no uv.
-INCLUDE = ("python3", "ca-certificates", "procps")
+# systemd + systemd-sysv: PID 1 of the LXC container is the image's /sbin/init, as in Proxmox's template.
+INCLUDE = ("python3", "ca-certificates", "procps", "systemd", "systemd-sysv")
 # Bump when the steps below change in a way the key does not see.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+# An unprivileged container's root (uid/gid 0 inside) is 100000 outside (lxc.idmap u 0 100000 65536, as
+# Proxmox maps it with root:100000:65536 in /etc/subuid and /etc/subgid): the built layers are shifted by
+# this much once, so a container's overlay over them needs no per-container copy.
+ID_SHIFT = 100000
+ID_RANGE = 65536
 # A site's TLS-intercepting proxy CA (this machine reaches PyPI through one) is installed into the image,
 # as a site would bake it into its container template; without it uv in the container cannot verify PyPI.
 SITE_CA_DIR = Path("/usr/local/share/ca-certificates")
@@ -51,9 +58,12 @@ def cache_root() -> Path:
 
 
 def storage_dir(cache: Path | None = None) -> Path:
-    """The fake host's storage directory (bind-mounted into stock containers at the same path)."""
-    d = (cache or cache_root()) / "storage"
-    d.mkdir(parents=True, exist_ok=True)
+    """The fake host's storage directory (bind-mounted into stock containers at the same path), owned by
+    the unprivileged containers' root so that they can make their own directories in it (a uv cache)."""
+    d = (cache or cache_root()) / "ct-storage"
+    if not d.is_dir():
+        d.mkdir(parents=True, exist_ok=True)
+        os.chown(d, ID_SHIFT, ID_SHIFT)
     return d
 
 
@@ -64,7 +74,7 @@ def _site_cas() -> list[Path]:
 def recipe() -> dict:
     cas = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in _site_cas()}
     return {"suite": SUITE, "mirror": MIRROR, "variant": "minbase", "include": list(INCLUDE), "site_cas": cas,
-            "layers": ["tmux"], "version": RECIPE_VERSION}
+            "layers": ["tmux"], "id_shift": ID_SHIFT, "version": RECIPE_VERSION}
 
 
 def recipe_key() -> str:
@@ -138,6 +148,25 @@ def _build(tmp: Path, log) -> None:
     merged.rmdir()
     if not (layer / "usr/bin/tmux").exists():
         raise RuntimeError("the tmux layer has no usr/bin/tmux")
+    log(f"shifting the layers' owners by {ID_SHIFT} (what an unprivileged container's root is outside)")
+    for d in (root, layer):
+        shift_ids(d, ID_SHIFT)
+
+
+def shift_ids(top: Path, shift: int) -> None:
+    """Add `shift` to the owner and group of every file under `top` (symlinks themselves, not their targets),
+    keeping set-id bits (chown clears them) and the overlay's whiteouts (0:0 character devices, 0 inside)."""
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in [*dirnames, *filenames, None]:
+            path = dirpath if name is None else os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if st.st_uid >= shift and st.st_gid >= shift:
+                continue
+            uid = st.st_uid if st.st_uid >= shift else st.st_uid + shift
+            gid = st.st_gid if st.st_gid >= shift else st.st_gid + shift
+            os.lchown(path, uid, gid)
+            if not os.path.islink(path) and st.st_mode & 0o6000:
+                os.chmod(path, st.st_mode & 0o7777)
 
 
 def ensure_image(cache: Path | None = None, log=lambda s: None) -> Image:

@@ -52,7 +52,8 @@ def first_hour_inventory(tmp_path: Path, fake_pve, ct) -> Path:
 def test_doctor_rebuild_launch_follow_on_a_stock_container_with_zero_hand_steps(fake_pve, dflashctl, tmp_path):
     from fakehost import STOCK
 
-    ct = fake_pve.create_container(341, gpus=2, image=STOCK)
+    # A newcomer's container with a network: rebuild-venv installs tmux from Debian and the lock from PyPI.
+    ct = fake_pve.create_container(341, gpus=2, image=STOCK, network=True)
     env = dict(os.environ, DFLASHCTL_STATE_DIR=str(tmp_path / "state"), DFLASHCTL_INVENTORY=str(
         first_hour_inventory(tmp_path, fake_pve, ct)))
     env.pop("DFLASHCTL_WORKDIR", None)

@@ -183,6 +183,7 @@ def test_a_host_key_that_changed_during_a_follow_is_refused_at_once(fake_pve, tm
     from orchestrator.quoting import render
 
     shutil.copyfile(assets.on_disk("start_training.sh"), start)
+    ct.to_container(Path(ct.workdir))  # made by the host's root: the unprivileged container's root writes the run
     r = ct.exec(["tmux", "new-session", "-d", "-s", "dflash-hk",
                  render(["bash", str(start), str(run), "--", *writer(100_000, 0.05, "python3")]),
                  ";", "set-option", "-t", "dflash-hk", "remain-on-exit", "on",

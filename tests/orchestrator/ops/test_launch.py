@@ -367,12 +367,14 @@ def make_ct(fake_pve, ctid: int, lock_hash: str = "L1", gpus: int = 8, venv: Pat
     (Path(ct.workdir) / "venvs").mkdir()
     if venv is not None:
         (Path(ct.workdir) / "venvs" / "current").symlink_to(venv)
+        ct.to_container(Path(ct.workdir) / "venvs")
         return ct
     venv = Path(ct.workdir) / "venvs" / f"{lock_hash}-0"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to("/usr/bin/python3")
     (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock_hash, "packages": {}}))
     (Path(ct.workdir) / "venvs" / "current").symlink_to(venv.name)
+    ct.to_container(Path(ct.workdir) / "venvs")  # made by the host's root: give it to the container's root
     return ct
 
 

@@ -472,6 +472,7 @@ def start_ct_run(ct, run_id: str, experiment: str, argv: list[str]) -> Path:
     # script travels into the run's workdir first, as launch's bundle does.
     start = Path(ct.workdir) / "start_training.sh"
     shutil.copyfile(START, start)
+    ct.to_container(Path(ct.workdir))  # made by the host's root: the unprivileged container's root writes the run
     res = ct.exec(["tmux", "new-session", "-d", "-s", session, render(["bash", str(start), str(run), "--", *argv]),
                    ";", "set-option", "-t", session, "remain-on-exit", "on",
                    ";", "set-option", "-t", session, "@dflash_run", run_id])

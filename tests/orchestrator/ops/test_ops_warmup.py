@@ -67,6 +67,7 @@ def make_ct(fake_pve, ctid: int, venv: Path):
     ct = fake_pve.create_container(ctid, gpus=8, image=STOCK)
     (Path(ct.workdir) / "venvs").mkdir()
     (Path(ct.workdir) / "venvs" / "current").symlink_to(venv)
+    ct.to_container(Path(ct.workdir) / "venvs")  # made by the host's root: give it to the container's root
     return ct
 
 

@@ -104,6 +104,7 @@ def test_pct_stop_kills_the_session_and_status_says_so(fake_pve):
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to("/usr/bin/python3")  # the container's own: the agent needs the stdlib only
     (Path(ct.workdir) / "venvs" / "current").symlink_to("v")
+    ct.to_container(Path(ct.workdir))  # made by the host's root: give it to the unprivileged container's root
     try:
         t = ContainerTarget(name="ct311", workdir=ct.workdir, transport=fake_pve.pct_transport(311))
         res = launch(t, spec("pst", ["python3", *STUBBORN[1:]], target="ct311"))

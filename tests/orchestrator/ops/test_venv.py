@@ -475,7 +475,7 @@ def stock_built(fake_pve, tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
     old = os.environ.get("DFLASHCTL_STATE_DIR")
     os.environ["DFLASHCTL_STATE_DIR"] = str(state)
-    ct = fake_pve.create_container(331, gpus=2, image=STOCK)
+    ct = fake_pve.create_container(331, gpus=2, image=STOCK, network=True)  # apt (tmux) and PyPI (the lock)
     before = {cmd: ct.exec(["sh", "-c", cmd]).returncode for cmd in
               ("command -v uv", "command -v tmux", "python3 -m pip --version")}
     target = stock_target(fake_pve, ct)
@@ -577,10 +577,11 @@ def test_offline_without_tmux_warns_with_a_fix_that_works_as_printed(fake_pve, s
     from fakehost import STOCK
 
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
-    ct = fake_pve.create_container(333, gpus=0, image=STOCK)
+    ct = fake_pve.create_container(333, gpus=0, image=STOCK, network=True)  # the pasted fix runs apt
     # The same image's python3 and the same wheels as stock_built's container: its record spares this build
     # the full import check (the first build's, defended above); what is tested here is tmux and the warning.
     seed_verified_wheels(Path(stock_built[0].workdir), Path(ct.workdir))
+    ct.to_container(ct.workdir)  # made by the host's root: the unprivileged container's root cannot write it
     target = stock_target(fake_pve, ct)
     try:
         # --offline: the template's empty package lists may not be refreshed, so apt cannot find tmux. The
@@ -634,6 +635,7 @@ def test_container_rebuild_refuses_a_torch_the_driver_cannot_run_before_download
     ct.set_kernel_module("550.54.15")
     # The venv in use (a CPU one): it must stay current whatever the rebuild does.
     claim_cuda_venv(ct.workdir, lock="cpu", torch="2.13.0+cpu", cuda=None)
+    ct.to_container(ct.workdir)
     before = venvs_state(Path(ct.workdir))
     target = stock_target(pve, ct)
     cuda = {"kind": "uv", "lock": "cuda", "python": "3.11", "uv_cache_dir": str(pve.storage() / "uv-cache")}  # PyPI's torch: CUDA 13.0
