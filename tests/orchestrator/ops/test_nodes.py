@@ -29,7 +29,7 @@ from orchestrator.ops.placement import resolve, run_cause
 from orchestrator.ops.stop import stop_placements
 from orchestrator.target import open_target
 
-pytestmark = pytest.mark.usefixtures("isolated_tmux")
+pytestmark = [pytest.mark.usefixtures("isolated_tmux"), pytest.mark.slow]
 
 TWO_NODES = """\
 hosts:
