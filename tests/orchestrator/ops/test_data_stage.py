@@ -300,6 +300,8 @@ def test_container_launch_regenerates_trains_and_exports_in_one_session_and_logs
     try:
         work = Path(ct.workdir)
         cfg = _config(_convs(work / "convs.jsonl", 6), target=str(_tiny_model(work / "model")))
+        for made in ("convs.jsonl", "model"):  # made by the host: given to the unprivileged container's root
+            ct.to_container(work / made)
         inv = {
             "hosts": {"pve": fake_pve.host_entry()},
             "targets": {"ct": {"kind": "container", "host": "pve", "ctid": 321, "workdir": ct.workdir, "venv": "cpu"}},

@@ -136,16 +136,20 @@ def test_a_run_stopped_during_the_follow_ends_it_with_exit_code_5(local_target):
     "stopped" with who stopped it, and its exit code is 5 (not 0 for the trainer's clean exit, not 1)."""
     res = launch(local_target, spec("stopme", writer(10_000, 0.05)))
     stopped: list[dict] = []
+    stopper: list[threading.Thread] = []
 
     def on_line(line: str) -> None:
-        if line == "line 000003" and not stopped:
-            threading.Thread(target=lambda: stopped.append(stop_verb.run(
+        if line == "line 000003" and not stopper:
+            stopper.append(threading.Thread(target=lambda: stopped.append(stop_verb.run(
                 {"workdir": local_target.workdir, "run_id": res.run_id, "grace_s": 30,
                  "requested_by": {"by": "alice@ws", "via": "dflashctl stop"}}, Emitter(io.StringIO()))),
-                daemon=True).start()
+                daemon=True))
+            stopper[0].start()
 
     out = follow(local_target, res.run_id, on_line=on_line, heartbeat=1.0,
                  backoff=Backoff(initial=0.05, cap=0.5, give_up_s=20))
+    # The follow ends at exit.json; the stop goes on until no process of the run is left, then answers.
+    stopper[0].join(timeout=60)
     assert stopped and stopped[0]["state"] == "stopped"
     assert out.state == "stopped" and out.exit["stopped"]["by"] == "alice@ws"
     assert out.exit_code == EXIT_STOPPED == 5 and out.to_dict()["exit_code"] == 5
