@@ -95,13 +95,33 @@ def suggest(targets: int, drafters: int, target_tokens_per_s: float, drafter_tok
     return Balance(targets, drafters, t, d, waiting, best, n - best, now, min(best * t, (n - best) * d))
 
 
-def from_records(rows: list[dict], targets: int, drafters: int, last: int = 20) -> Balance | None:
+@dataclass(frozen=True)
+class Colocated:
+    """A colocated run (one process computes the features, then trains on them, in turn) and what splitting
+    it over two devices would give: 1 target + 1 drafter deliver min(t, d) where one process gets
+    1 / (1/t + 1/d)."""
+
+    target_tokens_per_s: float
+    drafter_tokens_per_s: float
+
+    def lines(self) -> list[str]:
+        t, d = self.target_tokens_per_s, self.drafter_tokens_per_s
+        now = 1 / (1 / t + 1 / d)
+        split = min(t, d)
+        return [
+            f"balance: colocated (one process computes the features, then trains): features {t:.0f} tokens/s, "
+            f"training {d:.0f} tokens/s; {now / t:.0%} of a step computes features",
+            f"  now 1 / (1/{t:.0f} + 1/{d:.0f}) = {now:.0f} tokens/s; split over two devices, 1 target + 1 drafter: "
+            f"min({t:.0f}, {d:.0f}) = {split:.0f} tokens/s ({split / now:.2f}x)",
+        ]
+
+
+def from_records(rows: list[dict], targets: int, drafters: int, last: int = 20) -> Balance | Colocated | None:
     """The balance from a run's metrics records (medians over the last `last` training records).
 
-    None for a colocated run (one process does both: nothing to split) or before any training record with
-    both rates.
+    targets = drafters = 0 is a colocated run (`Colocated`); None before any training record with both rates.
     """
-    if targets < 1 or drafters < 1:
+    if (targets < 1) != (drafters < 1):
         return None
     pairs = [(r["target_tokens_per_s"], r["drafter_tokens_per_s"]) for r in rows
              if r.get("kind", "train") == "train"
@@ -109,4 +129,6 @@ def from_records(rows: list[dict], targets: int, drafters: int, last: int = 20) 
     if not pairs:
         return None
     pairs = pairs[-last:]
+    if targets < 1:
+        return Colocated(statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs))
     return suggest(targets, drafters, statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs))

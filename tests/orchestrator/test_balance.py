@@ -42,7 +42,7 @@ def test_from_records_takes_medians_of_the_last_training_records_and_skips_coloc
             for t in (100.0, 3000.0, 3100.0, 2900.0)]
     b = from_records(rows, targets=1, drafters=1, last=3)
     assert b.target_per_gpu == 3000.0  # median of the last three; the warm-up's 100 left out
-    assert from_records(rows, targets=0, drafters=0) is None
+    assert from_records(rows, targets=1, drafters=0) is None
     assert from_records([{"kind": "eval", "tau": 2.0}], 1, 1) is None
 
 
@@ -57,4 +57,17 @@ def test_metrics_notes_carry_the_balance_from_the_facts_record_and_vllms_verdict
     assert "  this split is already the best of the node's GPUs" in notes
     assert notes[-1] == ("vLLM: τ 2.363 per-prompt mean (2.155 pooled) against the project's 2.371; lossless yes; "
                          "45.3 -> 22.4 tokens/s (0.49x)")
-    assert run_notes([{"kind": "facts", "target_ranks": 0, "drafter_ranks": 0}, rows[1]]) == []
+    assert run_notes([{"kind": "facts", "target_ranks": 1, "drafter_ranks": 0}, rows[1]]) == []
+
+
+def test_a_colocated_run_is_told_its_feature_share_and_what_two_devices_would_give():
+    rows = [{"kind": "facts", "target_ranks": 0, "drafter_ranks": 0},
+            {"kind": "train", "step": 25, "target_tokens_per_s": 3000.0, "drafter_tokens_per_s": 1000.0}]
+    notes = run_notes(rows)
+    # one process: 1 / (1/3000 + 1/1000) = 750 tokens/s, a quarter of each step on features; split: min = 1000
+    assert notes == [
+        "balance: colocated (one process computes the features, then trains): features 3000 tokens/s, "
+        "training 1000 tokens/s; 25% of a step computes features",
+        "  now 1 / (1/3000 + 1/1000) = 750 tokens/s; split over two devices, 1 target + 1 drafter: "
+        "min(3000, 1000) = 1000 tokens/s (1.33x)",
+    ]

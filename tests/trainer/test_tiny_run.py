@@ -41,6 +41,20 @@ def test_tiny_experiment_learns_to_draft(tmp_path):
     train = [r for r in recs if r["kind"] == "train"]
     assert train and {"step", "epoch", "loss", "acc_per_slot", "sim_tau", "tokens_per_s", "rss_mb", "lr", "time"} <= set(train[0])
     assert train[-1]["loss"] < train[0]["loss"]
+    # A healthy run: the follower's silent-failure and τ-drop alerts stay quiet on its real records, and
+    # the facts they would quote are this run's.
+    from orchestrator.monitor import SilentFailure, TauDrop
+
+    facts = [r for r in recs if r["kind"] == "facts"]
+    assert len(facts) == 1 and facts[0]["target_layer_ids"] and facts[0]["mask_token_id"] >= 0
+    for mon in (SilentFailure(), TauDrop()):
+        assert [a for r in recs for a in mon.feed(r)] == [], type(mon).__name__
+    # what `dflashctl metrics` says of its balance: a colocated run, its feature share and the two-device split
+    from orchestrator.ops.metrics import run_notes
+
+    notes = run_notes(recs)
+    assert notes[0].startswith("balance: colocated (one process computes the features, then trains)"), notes
+    print("\n".join(notes))
     final = [r for r in recs if r["kind"] == "final"]
     assert final and final[0]["tau_after"] == pytest.approx(after["tau"])
     assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()

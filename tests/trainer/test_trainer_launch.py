@@ -126,6 +126,20 @@ def test_one_target_two_drafters_match_the_single_process_run(tmp_path, env, ref
     assert final[0]["tau_after"] == after["tau"] and {r["budget"] for r in after["results"]} == {None, 4}
     assert (tmp_path / "split" / "export" / "model.safetensors").exists()
     assert (tmp_path / "split" / "checkpoints" / "step_00000006" / "meta.json").exists()
+    # The balance advice from this real split run: its facts record says 1 target + 2 drafter ranks, and the
+    # advice's per-GPU rates are the medians of the measured side rates divided by those counts.
+    from statistics import median
+
+    from orchestrator.ops.metrics import run_notes
+
+    rows = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    facts = [r for r in rows if r["kind"] == "facts"]
+    assert len(facts) == 1 and (facts[0]["target_ranks"], facts[0]["drafter_ranks"]) == (1, 2)
+    notes = run_notes(rows)
+    t = median(r["target_tokens_per_s"] for r in got)
+    d = median(r["drafter_tokens_per_s"] for r in got) / 2
+    assert notes[0].startswith("balance: ") and f"a target rank computes {t:.0f} tokens/s" in notes[1], notes
+    assert f"now 1 target + 2 drafter: min(1 x {t:.0f}, 2 x {d:.0f})" in notes[2], notes
 
 
 def _as_if_killed_after(run_dir: Path, step: int) -> None:
