@@ -360,10 +360,12 @@ def _embedded() -> str:
 # ------------------------------------------------------------------------------------- fake Proxmox host
 
 
-def make_ct(fake_pve, ctid: int, lock_hash: str = "L1", gpus: int = 8, venv: Path | None = None):
+def make_ct(fake_pve, ctid: int, lock_hash: str = "L1", gpus: int = 8, venv: Path | None = None,
+            network: bool = False):
     """A stock container (Debian 12, tmux installed) with a 'venv': the container's own python3 (the agent
-    needs only the standard library) fingerprinted as lock_hash, or `venv`, a real one (stock_cpu_venv)."""
-    ct = fake_pve.create_container(ctid, gpus=gpus, image=STOCK_TMUX)
+    needs only the standard library) fingerprinted as lock_hash, or `venv`, a real one (stock_cpu_venv).
+    `network`: the host's network (nodes of one run must reach each other's rendezvous over TCP)."""
+    ct = fake_pve.create_container(ctid, gpus=gpus, image=STOCK_TMUX, network=network)
     (Path(ct.workdir) / "venvs").mkdir()
     if venv is not None:
         (Path(ct.workdir) / "venvs" / "current").symlink_to(venv)

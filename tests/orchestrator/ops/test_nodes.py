@@ -171,7 +171,8 @@ def two_cts(pve, stock_cpu_venv):
     from tests.orchestrator.ops.test_launch import make_ct
 
     venv, lock = stock_cpu_venv
-    cts = [make_ct(pve, ctid, venv=venv) for ctid in (200, 201)]
+    # Two nodes of one run reach each other's rendezvous and peers over TCP, as CTs on one Proxmox bridge do.
+    cts = [make_ct(pve, ctid, venv=venv, network=True) for ctid in (200, 201)]
     yield cts, lock
     for c in cts:
         pve.remove_container(c.ctid)

@@ -12,7 +12,8 @@ import yaml
 def test_launch_on_a_container_without_tmux_is_one_error_whose_fix_works(fake_pve, tmp_path, dflashctl):
     from fakehost import STOCK
 
-    ct = fake_pve.create_container(336, gpus=0, image=STOCK)
+    # The printed fix installs tmux from Debian's mirror: this container has a network (the host's).
+    ct = fake_pve.create_container(336, gpus=0, image=STOCK, network=True)
     try:
         assert ct.exec(["sh", "-c", "command -v tmux"]).returncode == 127
         inv = tmp_path / "inv.yaml"
