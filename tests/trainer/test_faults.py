@@ -66,7 +66,10 @@ def test_a_rank_killed_by_the_cgroups_oom_killer_is_named_with_the_limit(tmp_pat
         ranks = [p for p in runprocs.run_processes(run_dir) if "trainer.rank" in p.argv]
         victim = ranks[-1].pid
         Path(f"/proc/{victim}/oom_score_adj").write_text("1000")
-        used = int((cg / "memory.usage_in_bytes").read_text())
+        # The run's resident memory, not usage_in_bytes: that counts page cache the kernel reclaims before it
+        # kills anything, so a hog sized by it could fit and the run would finish unharmed.
+        stat = dict(line.split() for line in (cg / "memory.stat").read_text().splitlines())
+        used = int(stat["total_rss"]) + int(stat.get("total_mapped_file", 0))
         take = LIMIT - used + (64 << 20)
         hog = subprocess.Popen([sys.executable, "-c", (
             "import os, time\nopen('/proc/self/oom_score_adj', 'w').write('-1000')\n"
