@@ -138,13 +138,15 @@ def test_doctor_on_a_stopped_container_says_pct_start(pve, tmp_path):
 
 
 def test_doctor_on_a_missing_container(pve, tmp_path):
-    pve.remove_container(399)
-    rep = doctor(inventory(tmp_path, pve.host_entry(), ctid=399), "ct")
+    # 398: no fixture's container (399 is the session's stock_cpu_venv container: removing it removed its venv
+    # from under every later container test)
+    pve.remove_container(398)
+    rep = doctor(inventory(tmp_path, pve.host_entry(), ctid=398), "ct")
     running = by_name(rep)["container running"]
     assert running.status == FAIL
-    assert "container 399 does not exist" in running.detail
+    assert "container 398 does not exist" in running.detail
     assert "targets.ct.ctid" in running.fix
-    assert pve.pct_exec_calls(399) == []
+    assert pve.pct_exec_calls(398) == []
 
 
 def test_doctor_without_gpus_or_with_a_broken_driver(pve, tmp_path):
