@@ -4,8 +4,8 @@ A split layout has T target ranks computing features and D drafter ranks trainin
 record of `metrics.jsonl` carries the rates of both sides over its window (trainer.stats.StepStats.record):
 
     target_tokens_per_s    the target ranks' summed rate: tokens whose features they computed per busy second
-    drafter_tokens_per_s   the drafter ranks' rate had they never waited for features (tokens per busy second
-                           of a drafter rank, times nothing: data parallel ranks step together, so it is the
+    drafter_tokens_per_s   the drafter ranks' rate had they never waited for features: the tokens they trained
+                           on per busy second of one rank (data-parallel ranks step together, so this is the
                            group's rate)
     tokens_per_s           what the run achieved
 

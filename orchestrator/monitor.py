@@ -303,8 +303,8 @@ def silent_failure_causes(facts: dict) -> str:
         f"mask token id {val('mask_token_id')} (dflash_config.mask_token_id: the id the engine fills draft slots with)",
         f"RoPE base: target {val('rope_theta_target')}, drafter {val('rope_theta_drafter')} (must be equal; "
         "an export without a top-level rope_theta is read as 10000 by transformers 4.57 loaders)",
-        f"chat template arguments: training {val('chat_template_kwargs')}, evaluation "
-        f"{val('eval_chat_template_kwargs')} (e.g. enable_thinking must match what is served)",
+        f"chat template arguments {val('chat_template_kwargs')} at training and in its evaluation (what is "
+        "served must use the same, e.g. enable_thinking)",
     ])
 
 
@@ -332,9 +332,10 @@ class TauDrop:
             self._best, self._fired = (tau, record.get("step")), False
             return []
         best, at = self._best
-        if tau >= best * (1 - self.fraction) or self._fired:
-            if tau >= best * (1 - self.fraction):
-                self._fired = False
+        if tau >= best * (1 - self.fraction):
+            self._fired = False
+            return []
+        if self._fired:
             return []
         self._fired = True
         return [Alert(

@@ -101,5 +101,4 @@ def servability(target, drafter_cfg_dict: dict | None, device: str) -> list[str]
     """Why vLLM on ``device`` could not serve this target (and drafter config): see trainer.vllm_eval."""
     from trainer.vllm_eval import check_servable
 
-    tcfg = target.config.to_dict() if hasattr(target.config, "to_dict") else dict(target.config)
-    return check_servable(tcfg, drafter_cfg_dict, device)
+    return check_servable(target.config.to_dict(), drafter_cfg_dict, device)

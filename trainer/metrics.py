@@ -233,8 +233,8 @@ def run_facts(cfg, target, drafter, mask_token_id: int) -> dict[str, Any]:
 
     The follower's silent-failure alert (orchestrator.monitor.SilentFailure) quotes these values when real τ
     stays near 1 while the accuracy rises. Every value is what this run trains with: the target's feature
-    layers and depth, the MASK id, both RoPE bases, the chat-template arguments of the training data and of
-    the held-out prompts the run evaluates on.
+    layers and depth, the MASK id, both RoPE bases, the chat-template arguments of the training data (the
+    held-out prompts the run evaluates on go through the same ones).
     """
     dcfg = getattr(drafter, "cfg", None)
     layout = cfg.layout.to_layout()
@@ -248,8 +248,7 @@ def run_facts(cfg, target, drafter, mask_token_id: int) -> dict[str, Any]:
         "mask_token_id": int(mask_token_id),
         "rope_theta_target": getattr(target, "rope_theta", None),
         "rope_theta_drafter": getattr(dcfg, "rope_theta", None),
-        "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),
-        "eval_chat_template_kwargs": dict(cfg.data.chat_template_kwargs),  # held-out prompts use the data's
+        "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),  # the held-out prompts' too
     })
 
 

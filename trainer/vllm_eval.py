@@ -101,11 +101,10 @@ class VllmReport:
         return "\n".join(lines)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, path)
-        return path
+        from trainer.setup import write_json
+
+        write_json(Path(path), asdict(self))
+        return Path(path)
 
 
 def servable_head_dim(head_dim: int, device: str) -> str | None:

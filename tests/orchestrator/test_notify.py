@@ -89,20 +89,26 @@ def test_redacted_urls_keep_only_where_they_go():
     assert redact_url("not a url") == "<not a URL>"
 
 
+def _finished_run(tmp_path, run_id: str, log: str, exit_code: int, notify: str):
+    """A finished run in a local target's workdir and an inventory whose notify section is `notify` (YAML)."""
+    work = tmp_path / "work" / "runs" / run_id
+    work.mkdir(parents=True)
+    (work / "run.json").write_text(json.dumps({"experiment": "tiny", "run_id": run_id, "created": run_id}))
+    (work / "train.log").write_text(log)
+    (work / "exit.json").write_text(json.dumps({"exit_code": exit_code, "signal": None}))
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(f"notify: {notify}\n"
+                   f"targets:\n  local: {{kind: local, workdir: {tmp_path / 'work'}}}\n"
+                   "experiments:\n  tiny: {kind: dflash, target: local}\n")
+    return inv
+
+
 def test_a_failed_webhook_prints_one_warning_without_its_secret(tmp_path, server, dflashctl):
     """`logs --follow` of a finished run whose webhook answers 503: the run's outcome and exit code are
     unchanged, and stderr holds exactly one warning naming the channel, the host (not the URL's token) and
     what to check."""
     url, received = server
-    work = tmp_path / "work" / "runs" / "r-ok"
-    work.mkdir(parents=True)
-    (work / "run.json").write_text(json.dumps({"experiment": "tiny", "run_id": "r-ok", "created": "r-ok"}))
-    (work / "train.log").write_text("fine\n")
-    (work / "exit.json").write_text(json.dumps({"exit_code": 0, "signal": None}))
-    inv = tmp_path / "inv.yaml"
-    inv.write_text(f"notify: {{webhook: '{url}/down/s3cr3t-token?key=hunter2'}}\n"
-                   f"targets:\n  local: {{kind: local, workdir: {tmp_path / 'work'}}}\n"
-                   "experiments:\n  tiny: {kind: dflash, target: local}\n")
+    inv = _finished_run(tmp_path, "r-ok", "fine\n", 0, f"{{webhook: '{url}/down/s3cr3t-token?key=hunter2'}}")
     res = dflashctl("--inventory", str(inv), "logs", "r-ok", "--follow")
     assert res.returncode == 0, res.stderr
     assert len(received) == 1  # it was sent, and refused
@@ -115,16 +121,8 @@ def test_a_failed_webhook_prints_one_warning_without_its_secret(tmp_path, server
 
 def test_a_failed_command_prints_one_warning(tmp_path, dflashctl):
     """A notify command that is missing: one warning naming it and the fix."""
-    work = tmp_path / "work" / "runs" / "r-bad"
-    work.mkdir(parents=True)
-    (work / "run.json").write_text(json.dumps({"experiment": "tiny", "run_id": "r-bad", "created": "r-bad"}))
-    (work / "train.log").write_text("ValueError: nope\n")
-    (work / "exit.json").write_text(json.dumps({"exit_code": 5, "signal": None}))
-    inv = tmp_path / "inv.yaml"
     missing = tmp_path / "no-such-notifier"
-    inv.write_text(f"notify: {{command: ['{missing}']}}\n"
-                   f"targets:\n  local: {{kind: local, workdir: {tmp_path / 'work'}}}\n"
-                   "experiments:\n  tiny: {kind: dflash, target: local}\n")
+    inv = _finished_run(tmp_path, "r-bad", "ValueError: nope\n", 5, f"{{command: ['{missing}']}}")
     res = dflashctl("--inventory", str(inv), "logs", "r-bad", "--follow")
     assert res.returncode == 1, res.stderr
     warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]

@@ -8,8 +8,8 @@ import pytest
 from orchestrator.monitor import SilentFailure, TauDrop, build_monitors
 
 FACTS = {"kind": "facts", "target_layer_ids": [1, 2, 3], "num_target_layers": 6, "mask_token_id": 4,
-         "rope_theta_target": 10000.0, "rope_theta_drafter": 10000.0, "chat_template_kwargs": {},
-         "eval_chat_template_kwargs": {"enable_thinking": True}, "target_ranks": 0, "drafter_ranks": 0}
+         "rope_theta_target": 10000.0, "rope_theta_drafter": 10000.0,
+         "chat_template_kwargs": {"enable_thinking": True}, "target_ranks": 0, "drafter_ranks": 0}
 
 
 def _train(step, acc):
@@ -35,7 +35,7 @@ def test_tau_near_one_with_rising_accuracy_fires_once_naming_every_cause_with_th
     msg = alerts[0].message
     assert "real τ 1.05 at step 50" in msg and "0.12 -> 0.45" in msg
     for text in ("target layers [1, 2, 3] of the target's 6", "mask token id 4", "target 10000.0, drafter 10000.0",
-                 'training {}, evaluation {"enable_thinking": true}'):
+                 'chat template arguments {"enable_thinking": true} at training and in its evaluation'):
         assert text in msg, text
     assert alerts[0].detail["facts"]["mask_token_id"] == 4
 
