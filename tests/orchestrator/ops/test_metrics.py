@@ -82,6 +82,32 @@ def test_cli_metrics_draws_and_writes_png(dflashctl, tmp_path):
     assert res.returncode == 4 and "no run 'nope-run'" in res.stderr
 
 
+def test_cli_metrics_prints_the_balance_and_vllms_verdict_under_the_charts_and_in_json(dflashctl, tmp_path):
+    """The installed script prints what the records say beyond the charts (orchestrator.ops.metrics.run_notes):
+    the balance of a 1 target + 2 drafter run and the export's numbers in vLLM, last, and `--json` carries them."""
+    from tests.orchestrator.test_cli import write_inventory
+
+    inv = write_inventory(tmp_path)
+    runs = tmp_path / "work" / "runs" / "tiny-b"
+    runs.mkdir(parents=True)
+    (runs / "run.json").write_text(json.dumps({"experiment": "tiny", "created": "2026-11-30T00:00:00Z"}))
+    rows = [{"kind": "facts", "target_ranks": 1, "drafter_ranks": 2},
+            *({"kind": "train", "step": i, "loss": 3 - i / 10, "target_tokens_per_s": 1000.0,
+               "drafter_tokens_per_s": 8000.0} for i in range(1, 5)),
+            {"kind": "eval_vllm", "tau_own": 2.5, "tau_vllm": 2.5, "tau_vllm_pooled": 2.25, "lossless": True,
+             "tokens_per_s_plain": 10.0, "tokens_per_s_spec": 20.0, "speedup": 2.0}]
+    (runs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = dflashctl("--inventory", str(inv), "metrics", "tiny-b")
+    assert res.returncode == 0, res.stderr
+    tail = res.stdout.rstrip("\n").splitlines()[-5:]
+    assert tail[0] == "balance: the drafter ranks wait for features (the target side is the bottleneck)"
+    assert tail[2] == "  now 1 target + 2 drafter: min(1 x 1000, 2 x 4000) = 1000 tokens/s"
+    assert tail[3].startswith("  suggested 2 target + 1 drafter: min(2 x 1000, 1 x 4000) = 2000 tokens/s (2.00x)")
+    assert tail[4].startswith("vLLM: τ 2.500 per-prompt mean (2.250 pooled)")
+    res = dflashctl("--inventory", str(inv), "metrics", "tiny-b", "--json")
+    assert json.loads(res.stdout)["notes"] == tail
+
+
 def test_parse_records_counts_what_is_not_a_record():
     from orchestrator.agent.runs import parse_records
 
