@@ -13,7 +13,8 @@
 #   path), each recorded with its sha256 once checked; one that is missing or differs: NeedFiles.
 # - Python: a system python matching PYTHON (the container's python3), else uv's managed Python (a
 #   download; not with --offline), else one error naming both versions.
-# - TMUX=1 (containers): tmux is installed with apt-get when missing (root only); a failure is a warning.
+# - TMUX=1 (containers): tmux is installed with apt-get when missing (root only); a failure is a warning whose
+#   data names the release and dpkg's installed packages (the workstation then brings Debian's packages).
 # Output: JSON event lines on stdout (progress, log, warning, need, result | error), the agent protocol's
 # shape. Any failing step removes the half-built venv and leaves `current` as it was.
 set -u
@@ -88,9 +89,10 @@ fp_json() {
 }
 result() { printf '{"event":"result","data":{%s,"timings":{%s}}}\n' "$1" "$timings"; exit 0; }
 
+# warning TYPE MESSAGE [DATA]: DATA a JSON object (the event's `data`).
 warning() {
-    local msg; jstr "$2"; msg=$REPLY
-    printf '{"event":"warning","type":"%s","message":%s}\n' "$1" "$msg"
+    local msg data=${3:-}; jstr "$2"; msg=$REPLY; [ -n "$data" ] || data="{}"
+    printf '{"event":"warning","type":"%s","message":%s,"data":%s}\n' "$1" "$msg" "$data"
 }
 sha_of() { local h; h=$(sha256sum <"$1" 2>/dev/null) || return 1; REPLY=${h%% *}; }
 # tmux: every run lives in a tmux session; Debian's container template has none. Installed as root with
@@ -114,7 +116,24 @@ ensure_tmux() {
         [ "$offline" = 1 ] && why+=" (--offline: no apt-get update)"
     fi
     tmux_state=missing
-    warning TmuxMissing "tmux is not installed in the target ($why); launch needs it"
+    tmux_release
+    warning TmuxMissing "tmux is not installed in the target ($why); launch needs it" "$REPLY"
+}
+# The release and what dpkg has installed, as a JSON object in REPLY: the workstation brings Debian's tmux
+# packages for exactly this release (orchestrator/ops/debs.py). `{}` without dpkg.
+tmux_release() {
+    local os="" code="" arch="" names="" p
+    REPLY="{}"
+    command -v dpkg >/dev/null 2>&1 || return 0
+    if [ -r /etc/os-release ]; then
+        os=$(. /etc/os-release && printf '%s' "${ID:-}") code=$(. /etc/os-release && printf '%s' "${VERSION_CODENAME:-}")
+    fi
+    arch=$(dpkg --print-architecture 2>/dev/null)
+    for p in $(dpkg-query -W -f='${db:Status-Abbrev} ${Package}\n' 2>/dev/null | sed -n 's/^ii *//p'); do
+        jstr "$p"; names+="${names:+,}$REPLY"
+    done
+    jstr "$os"; os=$REPLY; jstr "$code"; code=$REPLY; jstr "$arch"; arch=$REPLY
+    REPLY="{\"os\":$os,\"codename\":$code,\"arch\":$arch,\"installed\":[$names]}"
 }
 
 mkdir -p -- "$venvs" 2>/dev/null || { steplog=""; step=workdir; fail WorkdirError "cannot create $venvs" "check the target's workdir and its permissions"; }

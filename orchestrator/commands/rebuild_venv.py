@@ -97,7 +97,7 @@ def _print_report(tname: str, pname: str, report, inventory: str | None) -> None
         if report.carried:
             out.print(f"  brought along: {', '.join(report.carried)} ({report.carried_bytes / 2**20:.0f} MiB)")
     if report.tmux == "installed":
-        out.print(f"{tname}: tmux installed (apt-get)")
+        out.print(f"{tname}: tmux installed ({report.tmux_via})")
 
 
 def rebuild_venv_cmd(

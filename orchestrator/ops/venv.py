@@ -39,7 +39,7 @@ from orchestrator.agent.runcommand import data_venv_workdir
 from orchestrator.agent.venvinfo import BUNDLE_DIST, FINGERPRINT, STAMP
 from orchestrator import assets
 from orchestrator.errors import AgentError, UserError
-from orchestrator.ops import carry
+from orchestrator.ops import carry, debs
 from orchestrator.ops.carry import CarriedWheel, UvBinary
 from orchestrator.ops.lock import LockFile, resolve_lock
 
@@ -252,7 +252,9 @@ class VenvReport:
     """What travelled inline besides the lock and the bundle: `uv`, wheel file names."""
     carried_bytes: int = 0
     tmux: str | None = None
-    """Container targets: `present`, `installed` (by apt-get, now), `missing` (then a warning says why)."""
+    """Container targets: `present`, `installed` (now, see tmux_via), `missing` (then a warning says why)."""
+    tmux_via: str | None = None
+    """How tmux was installed: `apt-get` in the target, or Debian's package files brought from here (named)."""
     warnings: list[dict] = field(default_factory=list)
     """{type, message, fix}: things that do not stop the build but will stop a launch (tmux missing)."""
 
@@ -435,9 +437,11 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
         plan.send(uv=bool(need.get("uv")), wheels=set(need.get("wheels") or ()))
         events, res = _run_script(target, plan.argv(), plan.stdin(), on_event, timeout)
         commands = 2
+    tmux = _carry_tmux(target, events, on_event, timeout)  # before the verdict: a failed build still gets tmux
+    commands += tmux is not None
     try:
         report = _finish(target, plan.lock, (events, res), start, commands, plan.sent_names(), plan.sent_bytes(),
-                         p.lock)
+                         p.lock, tmux)
     except AgentError:
         # Past the wheels step the target keeps every wheel sent (dflashctl-wheels/): the next try sends none.
         if (events.final or {}).get("step") not in (None, "workdir", "tmux", "stage", "wheels"):
@@ -522,10 +526,32 @@ def _run_script(target, argv: list[str], stdin: bytes | None, on_event, timeout:
     return events, res
 
 
+def _carry_tmux(target, events: _Events, on_event, timeout: float) -> debs.Carried | None:
+    """The script's TmuxMissing warning with the target's release (apt-get there could not install tmux):
+    Debian's packages for that release, fetched and checked here, installed there (ops/debs.py; one more
+    command). Carried, the warning is gone; failing, the warning says why and its fix is debs' own."""
+    warn = next((w for w in events.warnings if w.get("type") == "TmuxMissing" and (w.get("data") or {}).get("os")),
+                None)
+    if warn is None:
+        return None
+    data = warn["data"]
+    if on_event is not None:
+        on_event({"event": "progress", "step": "tmux", "message": "bringing tmux: Debian's packages for "
+                  f"{data.get('os')} {data.get('codename')}/{data.get('arch')}, fetched and checked here"})
+    try:
+        carried = debs.carry_tmux(target, data, timeout=min(timeout, 600.0))
+    except debs.DebsError as exc:
+        warn["message"] = f"{warn.get('message')}; bringing Debian's tmux packages from here failed: {exc.message}"
+        warn["fix"] = exc.fix
+        return None
+    events.warnings.remove(warn)
+    return carried
+
+
 def _finish(target, lock: LockFile | None, ran, start: float, commands: int, carried: list[str],
-            carried_bytes: int, lock_spec: str | None = None) -> VenvReport:
+            carried_bytes: int, lock_spec: str | None = None, tmux: debs.Carried | None = None) -> VenvReport:
     """The report of the script's final event; an AgentError for its error (or for no final event).
-    `lock_spec`: the profile's `lock` as written (a driver fix names it)."""
+    `lock_spec`: the profile's `lock` as written (a driver fix names it); `tmux`: tmux's packages carried."""
     events, res = ran
     final = events.final
     if final is None:
@@ -541,17 +567,24 @@ def _finish(target, lock: LockFile | None, ran, start: float, commands: int, car
     data = final.get("data") or {}
     warnings = [{"type": w.get("type"), "message": w.get("message"), "fix": _warning_fix(target, w)}
                 for w in events.warnings]
+    tmux_state = data.get("tmux") if data.get("tmux") not in (None, "unchecked") else None
+    tmux_via = "apt-get" if tmux_state == "installed" else None
+    if tmux is not None:
+        tmux_state, tmux_via = "installed", f"{tmux.version}, Debian's packages from this workstation: " + \
+            ", ".join(tmux.files)
     return VenvReport(
         action=data.get("action", "?"), target=target.name, venv=data.get("venv"), previous=data.get("previous") or None,
         lock_hash=data.get("lock_hash"), bundle_hash=data.get("bundle_hash"), lock=lock.name if lock else None,
         fingerprint=events.fingerprint or data.get("fingerprint"), pruned=list(data.get("pruned") or []),
         timings_ms=dict(data.get("timings") or {}), wall_s=time.monotonic() - start, commands=commands,
         carried=carried if data.get("action") == "built" else [], carried_bytes=carried_bytes,
-        tmux=data.get("tmux") if data.get("tmux") not in (None, "unchecked") else None, warnings=warnings,
+        tmux=tmux_state, tmux_via=tmux_via, warnings=warnings,
     )
 
 
 def _warning_fix(target, warning: dict) -> str | None:
+    if warning.get("fix"):
+        return warning["fix"]
     if warning.get("type") == "TmuxMissing":
         return tmux_fix(target)
     return None
