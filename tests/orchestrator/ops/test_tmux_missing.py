@@ -5,8 +5,12 @@ this machine's network, so a Debian mirror is reachable here)."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
+import pytest
 import yaml
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_launch_on_a_container_without_tmux_is_one_error_whose_fix_works(fake_pve, tmp_path, dflashctl):
@@ -38,5 +42,63 @@ def test_launch_on_a_container_without_tmux_is_one_error_whose_fix_works(fake_pv
         pasted = subprocess.run(["bash", "-c", fix], capture_output=True, text=True, timeout=300)
         assert pasted.returncode == 0, pasted.stderr[-2000:]
         assert ct.exec(["tmux", "-V"]).returncode == 0
+    finally:
+        fake_pve.remove_container(ct.ctid)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_rebuild_venv_brings_debians_tmux_to_a_networkless_container_and_tiny_then_launches(
+        fake_pve, stock_cpu_venv, tmp_path, dflashctl):
+    """No network in the container, so its apt-get cannot install tmux: the installed `dflashctl rebuild-venv`
+    fetches Debian's tmux packages for the container's release here (cached in the state dir, checked against
+    the Packages index), installs them there with dpkg -i, and the tiny experiment then launches and ends."""
+    import json
+    import os
+    import re
+    from fakehost import STOCK
+
+    venv, _lock = stock_cpu_venv
+    ct = fake_pve.create_container(337, gpus=2, image=STOCK)  # no network: loopback only
+    try:
+        (Path(ct.workdir) / "venvs").mkdir()
+        (Path(ct.workdir) / "venvs" / "current").symlink_to(venv)  # the cpu lock's venv, built once per session
+        ct.to_container(Path(ct.workdir) / "venvs")
+        assert ct.exec(["sh", "-c", "command -v tmux"]).returncode == 127
+        assert ct.exec(["sh", "-c", "apt-get -q update 2>&1 | grep -q 'Temporary failure resolving'"]).returncode == 0
+        shipped = yaml.safe_load((REPO / "inventory.yaml").read_text())
+        tiny = {**shipped["experiments"]["tiny"], "target": "ct"}
+        tiny["trainer"].update(max_steps=20, save_every=10, log_every=5)
+        inv = tmp_path / "inv.yaml"
+        inv.write_text(yaml.safe_dump({
+            "hosts": {"pve": fake_pve.host_entry()},
+            "targets": {"ct": {"kind": "container", "host": "pve", "ctid": 337, "workdir": ct.workdir, "venv": "cpu"}},
+            "venvs": {"cpu": {**shipped["venvs"]["cpu"], "wheelhouse": ["/opt/wheels"],
+                              "uv_cache_dir": str(fake_pve.storage() / "uv-cache")}},
+            "experiments": {"tiny": tiny},
+        }))
+        state = tmp_path / "state"
+        env = {**os.environ, "DFLASHCTL_STATE_DIR": str(state), "DFLASHCTL_INVENTORY": str(inv)}
+
+        rb = dflashctl("rebuild-venv", "--target", "ct", env=env, timeout=900)
+        assert rb.returncode == 0, rb.stdout + rb.stderr
+        line = next(ln for ln in rb.stdout.splitlines() if "tmux installed" in ln)
+        assert re.fullmatch(r"ct: tmux installed \(tmux 3\.3a, Debian's packages from this workstation: "
+                            r"libevent-core-2\.1-7_[^,]+_amd64\.deb, libutempter0_[^,]+_amd64\.deb, "
+                            r"tmux_3\.3a-[^,]+_amd64\.deb\)", line), line
+        assert "TmuxMissing" not in rb.stdout + rb.stderr and "warning" not in rb.stderr.lower(), rb.stderr
+        assert ct.exec(["tmux", "-V"]).stdout.decode().strip() == "tmux 3.3a"
+        status = ct.exec(["dpkg-query", "-W", "-f", "${Status}", "tmux"]).stdout.decode()
+        assert status == "install ok installed"  # dpkg knows it: a later apt-get upgrade updates it
+        cached = sorted(p.name for p in (state / "debs" / "debian-bookworm-amd64" / "archives").glob("*.deb"))
+        assert [c.split("_")[0] for c in cached] == ["libevent-core-2.1-7", "libutempter0", "tmux"]
+
+        la = dflashctl("launch", "tiny", env=env, timeout=600)
+        assert la.returncode == 0, la.stdout + la.stderr
+        run_id = re.search(r"\b(tiny-\d{8}T\d{6}Z)\b", la.stdout).group(1)
+        fo = dflashctl("logs", run_id, "--follow", env=env, timeout=1800)
+        assert fo.returncode == 0, fo.stdout[-3000:] + fo.stderr[-3000:]
+        exit_json = json.loads((Path(ct.workdir) / "runs" / run_id / "exit.json").read_text())
+        assert exit_json["exit_code"] == 0
     finally:
         fake_pve.remove_container(ct.ctid)
