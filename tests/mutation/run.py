@@ -95,13 +95,46 @@ MODULES: dict[str, dict] = {
         "functions": ["orchestrator.agent.runs.xǁLaunchLockǁ*"],
         "tests": ["tests/orchestrator/agent/test_claims_unit.py"],
     },
-    "gpu claims": {  # --full only (~4 min here); its owner's rewrite brings its tests into the default run
-        "full": True,
+    "gpu claims": {  # who holds a GPU: a live launch, a live run (also after exit.json), an unknown one
         "files": ["orchestrator/agent/claims.py"],
         "functions": ["orchestrator.agent.claims.x__conflicts__*", "orchestrator.agent.claims.x_claim__*",
                       "orchestrator.agent.claims.x_claim_alive__*", "orchestrator.agent.claims.x_held__*",
-                      "orchestrator.agent.claims.x_promote__*", "orchestrator.agent.claims.x_release__*"],
+                      "orchestrator.agent.claims.x_promote__*", "orchestrator.agent.claims.x_release__*",
+                      "orchestrator.agent.claims.x__with_survivors__*", "orchestrator.agent.claims.x_refusal__*",
+                      "orchestrator.agent.claims.x_describe__*"],
         "tests": ["tests/orchestrator/agent/test_claims_unit.py"],
+    },
+    "stopping": {  # stop's escalation: INT, TERM after the grace, KILL, StopFailed, the pane before the pid file
+        "files": ["orchestrator/agent/stopping.py"],
+        "functions": ["orchestrator.agent.stopping.*"],
+        # Real runs in a private tmux server, stopped by the agent's stop verb in the test's process.
+        "tests": ["tests/orchestrator/agent/test_agent_stop.py"],
+    },
+    "run processes": {  # process lifetime: which processes are a run's (the environment marker), groups, zombies
+        "files": ["orchestrator/agent/runprocs.py"],
+        "functions": ["orchestrator.agent.runprocs.*"],
+        "tests": ["tests/orchestrator/agent/test_runprocs_mutants.py"],
+    },
+    "token store": {  # the store's key, its files' sizes and hashes on open and verify, the build's publish
+        "files": ["trainer/store.py"],
+        # What a rank opens and trusts: the key, the checks on open and verify, the build's chunks, the npy
+        # files it concatenates and publishes. Not the workers' tokenising (forked processes: mutmut cannot see
+        # which test ran it; a mistake changes every sample the list-path comparison checks), the receive over
+        # gloo (tests/trainer/test_distributed.py, other processes), the run pointer and the CLI.
+        "functions": ["trainer.store.x_datasets_root__*", "trainer.store.x_file_sha256__*",
+                      "trainer.store.x_tokenizer_identity__*", "trainer.store.x_store_key__*",
+                      "trainer.store.x_store_dir__*", "trainer.store.xǁTokenStoreǁ*",
+                      "trainer.store.x__read_manifest__*", "trainer.store.x__expected_len__*",
+                      "trainer.store.x_open_store__*", "trainer.store.x_verify__*", "trainer.store.x__npy_header__*",
+                      "trainer.store.xǁ_Hashedǁ*", "trainer.store.x__publish__*", "trainer.store.x__clear_stale__*",
+                      "trainer.store.x_split_files__*", "trainer.store.x__count_lines__*",
+                      "trainer.store.x__concatenate__*", "trainer.store.x_build_store__*"],
+        "tests": ["tests/trainer/test_store.py", "-k", "not memory_does_not_grow and not tiny_run_trains"],
+    },
+    "regen shards": {  # the regeneration's shards and resume bookkeeping: records, checks, the manifest
+        "files": ["trainer/regen_shards.py"],
+        "functions": ["trainer.regen_shards.*"],
+        "tests": ["tests/trainer/test_regen_shards_unit.py"],
     },
     "objective (loss)": {
         "files": ["trainer/objective.py", "trainer/config.py"],
@@ -211,6 +244,8 @@ FLOORS = {
     # of 112 run. The others have no full run yet: 0 until one sets their floor.
     "checkpoint": 90, "sampling": 80, "monitor": 72, "tailer (baseline)": 68, "verification skip": 0,
     "verification skip (verify)": 0, "follow (reconnect policy)": 0,
+    # 2026-12-02 (issue 23), after the tests that killed their survivors:
+    "stopping": 0, "run processes": 0, "token store": 0, "regen shards": 0,
 }
 
 KILLED = {1, 3, 36, 24, -24, 152, 255}  # mutmut's exit codes: failed tests, pytest error, timeouts

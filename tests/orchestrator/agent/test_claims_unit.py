@@ -329,3 +329,107 @@ def test_a_run_whose_liveness_is_unknown_keeps_its_gpus(tmp_path, monkeypatch):
     with pytest.raises(AgentFailure) as info:
         claims.claim(tmp_path, [3], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
     assert info.value.type == "GpuClaimed"
+
+
+# ------------------------------------------------- what the mutation run found untested (tests/mutation/run.py)
+
+
+def test_tokenless_claims_of_two_runs_are_checked_each_not_as_one_holder(tmp_path):
+    """Claims written without a token (an older agent's): one holder per run and phase, so a dead launch of
+    run r-1 does not make r-1's live run claim, nor a dead run d-1 make the live run live-1, look dead."""
+    make_run(tmp_path, "ended-1", ended=True)
+    make_run(tmp_path, "live-1")
+    make_run(tmp_path, "r-1")
+    _write_claims(tmp_path, {
+        "0": {"phase": "run", "run_id": "ended-1"},
+        "1": {"phase": "run", "run_id": "live-1", "experiment": "live"},
+        "2": {"phase": "launch", "pid": dead_pid(), "run_id": "r-1"},
+        "3": {"phase": "run", "run_id": "r-1", "experiment": "r"},
+    })
+    with pytest.raises(AgentFailure) as info:
+        claims.claim(tmp_path, [1, 3], {"run_id": "n-1", "experiment": "n"}, Emit(), wait_s=0)
+    assert info.value.message == ("GPU 1 is held by run live-1 (experiment live), running; "
+                                  "GPU 3 is held by run r-1 (experiment r), running")
+
+
+def test_a_run_claim_naming_the_runs_parent_is_no_claim(tmp_path, monkeypatch):
+    """run_id '..' is a string but not a run id: runs/.. is the workdir, a directory, and must not read as a
+    run whose liveness is unknown (no tmux to ask), which would hold the GPU for ever."""
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tmux-here"))
+    _write_claims(tmp_path, {"0": {"phase": "run", "run_id": "..", "token": "t"},
+                             "1": {"phase": "run", "run_id": 7, "token": "u"}})
+    assert not claims.claim_alive(tmp_path, {"phase": "run", "run_id": ".."})
+    assert not claims.claim_alive(tmp_path, {"phase": "run", "run_id": None})
+    assert claims.held(tmp_path, [0, 1]) == {}
+
+
+def test_a_launch_claim_of_an_ended_run_is_launching_and_names_no_survivors(tmp_path):
+    """A resume's launch claims the old run's id while the old run's exit.json is there and one of its
+    processes still lives: the claim is the launch's (launching), survivors are named only for run claims."""
+    make_run(tmp_path, "a-1", ended=True)
+    (tmp_path / "runs" / "a-1" / "pid").write_text(f"{dead_pid()}\n")
+    rank = marked_sleeper(tmp_path / "runs" / "a-1")
+    try:
+        claims.claim(tmp_path, [0], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+        with pytest.raises(AgentFailure) as info:
+            claims.claim(tmp_path, [0], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert "launching since" in info.value.message
+    assert "survivors" not in info.value.data["claims"]["0"]
+    assert info.value.data["claims"]["0"] == on_disk(tmp_path)["0"]
+
+
+def test_a_launch_that_becomes_a_run_while_waited_for_is_refused_as_running_without_the_wait(tmp_path):
+    import threading
+
+    token = claims.claim(tmp_path, [2], {"run_id": "a-1", "experiment": "a"}, Emit(), wait_s=0)
+
+    def start_the_run():
+        make_run(tmp_path, "a-1")
+        claims.promote(tmp_path, token, "a-1")
+
+    timer = threading.Timer(0.8, start_the_run)
+    timer.start()
+    emit = Emit()
+    try:
+        with pytest.raises(AgentFailure) as info:
+            claims.claim(tmp_path, [2], {"run_id": "b-1", "experiment": "b"}, emit, wait_s=30)
+    finally:
+        timer.join()
+    assert len(emit.progress_calls) == 1  # it did wait for the preflight
+    assert info.value.message == "GPU 2 is held by run a-1 (experiment a), running"  # no "(waited N s ...)"
+
+
+def test_the_refusal_names_the_wait_from_half_a_second_and_carries_the_claims_by_gpu():
+    c = {"run_id": "a-1", "experiment": "a", "phase": "run"}
+    err = claims.refusal({1: c})
+    assert err.message == "GPU 1 is held by run a-1 (experiment a), running"  # preflight's call: no wait
+    assert err.fix == ("wait for run a-1 to end, or stop it (dflashctl stop a-1), or change this experiment's "
+                       "layout")
+    assert err.data == {"claims": {"1": c}, "gpus": [1]}
+    assert claims.refusal({1: c}, 0.5).message.endswith(", running (waited 0 s for its preflight)")
+    assert claims.refusal({1: c}, 0.49).message.endswith(", running")
+    two = claims.refusal({3: c, 1: {**c, "run_id": "b-2"}})
+    assert two.fix == "wait for runs a-1, b-2 to end, or stop them, or change this experiment's layout"
+    assert two.data["gpus"] == [1, 3] and list(two.data["claims"]) == ["3", "1"]
+
+
+def test_an_ended_run_with_a_long_id_names_its_survivors(tmp_path):
+    """Run ids are longer than names (experiment, stamp, clash suffix): the survivors of one longer than 64
+    characters are named too."""
+    long_id = ("x" * 64) + "-" + ("y" * 40) + "-20260101T000000Z"
+    token = claims.claim(tmp_path, [0], {"run_id": long_id, "experiment": "x" * 64}, Emit(), wait_s=0)
+    make_run(tmp_path, long_id, ended=True)
+    (tmp_path / "runs" / long_id / "pid").write_text(f"{dead_pid()}\n")
+    claims.promote(tmp_path, token, long_id)
+    rank = marked_sleeper(tmp_path / "runs" / long_id)
+    try:
+        with pytest.raises(AgentFailure) as info:
+            claims.claim(tmp_path, [0], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert info.value.message.endswith(f"ended, but its pid {rank.pid} ({sys.executable} -c import time; "
+                                       "time.sleep(60)) still run")
