@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--reference-export", default=None,
                    help="--engine vllm: the drafter vLLM's numbers must match (default: --export itself; give the "
                         "trainer's own export when vLLM serves a converted copy)")
+    e.add_argument("--own-report", default=None,
+                   help="--engine vllm: the project's numbers from this evaluation json (a run's eval_after.json, "
+                        "the same prompts) instead of running the project's loop again")
     e.add_argument("--metrics", default=None,
                    help="--engine vllm: append the numbers to this metrics.jsonl (a run's, for dflashctl metrics)")
     return p
@@ -122,12 +125,19 @@ def _regenerate(args) -> int:
 def _eval_vllm(args, chat_template_kwargs: dict) -> int:
     """`eval --engine vllm`: vLLM's DFlash speculative decoding and plain vLLM beside the project's loop
     (greedy chain), judged: exit 1 on a lossy output or a per-prompt acceptance beyond the tolerance."""
-    from trainer.vllm_eval import DEFAULT_TOLERANCE, EngineError, evaluate_in_vllm, judge
+    from trainer.vllm_eval import DEFAULT_TOLERANCE, EngineError, evaluate_in_vllm, judge, own_chain
 
     tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    own = None
+    if args.own_report:
+        own = own_chain(args.own_report)
+        if own is None:
+            raise ValueError(f"--own-report {args.own_report}: no greedy chain in it (evaluated without "
+                             "temperature 0); drop --own-report to run the project's loop here")
     report = evaluate_in_vllm(
         args.export, args.target, args.prompts, max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts,
         chat_template_kwargs=chat_template_kwargs, tolerance=tolerance, reference_export=args.reference_export,
+        own_per_prompt=own,
     )
     print(report.table(), flush=True)
     if args.json_out:

@@ -208,8 +208,15 @@ class EvalConfig(_Strict):
     """At step 0 and at every save, write the export, load it as engines do and compare every tensor and config
     field with the drafter being trained (trainer.export_check); a mismatch stops the run."""
     engine: Literal["own", "vllm"] = "own"
-    """Where the export will be judged and served: vllm refuses at step 0 a target that vLLM's attention cannot
-    serve on this device (e.g. head_dim 16 on CPU), then judge it with `python -m trainer eval --engine vllm`."""
+    """Where the export will be judged and served. vllm: the launch needs a vLLM interpreter (the experiment's
+    data venv, passed as $DFLASH_VLLM_PYTHON) and refuses without one; step 0 refuses a target vLLM's attention
+    cannot serve on this device (e.g. head_dim 16 on CPU); after the final export the launcher judges it in
+    vLLM (trainer.vllm_eval, what `python -m trainer eval --engine vllm` runs) on the held-out prompts of the
+    end-of-training evaluation: its numbers go to metrics.jsonl and eval_vllm.json, a lossy output or a
+    per-prompt acceptance beyond vllm_tolerance fails the run."""
+    vllm_tolerance: float = Field(0.25, ge=0)
+    """engine vllm: the largest per-prompt |vLLM - project| acceptance length accepted as the same drafter
+    (trainer.vllm_eval.DEFAULT_TOLERANCE)."""
 
     @field_validator("budgets")
     @classmethod

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,7 @@ def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: 
         out.flush()
 
     layout = cfg.layout.to_layout()
+    vllm_python = vllm_interpreter(cfg, node)  # before anything starts: a run to be judged in vLLM needs it
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / failures.ROOT_CAUSE_FILE).unlink(missing_ok=True)  # a cause of an earlier attempt is not this one's
@@ -205,7 +207,79 @@ def launch(cfg: TrainConfig, config_path: Path, out: TextIO = sys.stdout, node: 
         faults.release(reserve)
     faults.remove_stale_temporaries(run_dir)
     log("all ranks finished")
+    if vllm_python is not None:
+        return judge_in_vllm(cfg, run_dir, vllm_python, layout, log)
     return 0
+
+
+def vllm_interpreter(cfg: TrainConfig, node: Node = Node()) -> str | None:
+    """The vLLM interpreter that judges the export after training on this node ($DFLASH_VLLM_PYTHON), None when
+    the run asks for no vLLM evaluation or another node holds the export (the node of the first drafter rank
+    writes it).
+
+    Raises:
+        LaunchError: evaluation.engine is vllm and there is no such interpreter (before any rank starts).
+    """
+    from trainer.vllm_eval import VLLM_PYTHON_ENV
+
+    if cfg.evaluation.engine != "vllm":
+        return None
+    layout = cfg.layout.to_layout()
+    if layout.place(layout.drafter_ranks()[0]).node != node.index:
+        return None
+    python = os.environ.get(VLLM_PYTHON_ENV, "")
+    if python and (Path(python).is_file() or shutil.which(python)):
+        return python
+    what = f"${VLLM_PYTHON_ENV} is not set" if not python else f"${VLLM_PYTHON_ENV}={python}: no such interpreter"
+    raise LaunchError(
+        f"evaluation.engine is vllm, but {what}: the export is judged in vLLM after training, in a venv of its own "
+        "(vLLM pins its own torch). dflashctl launch passes the experiment's data_venv (build it with `dflashctl "
+        f"rebuild-venv --target T --profile vllm`); by hand: {VLLM_PYTHON_ENV}=/path/to/vllm-venv/bin/python "
+        "python -m trainer.launch --config FILE. Or set evaluation.engine: own")
+
+
+def judge_in_vllm(cfg: TrainConfig, run_dir: Path, python: str, layout: Layout, log) -> int:
+    """After the final export: `python -m trainer eval --engine vllm` of it in the vLLM interpreter, on the
+    held-out prompts and settings of the run's own end-of-training evaluation (trainer.vllm_eval
+    .end_of_training_argv), its numbers into metrics.jsonl and eval_vllm.json. A process of its own because
+    vLLM lives in another venv (its own torch and transformers), and here, after the ranks, because only then
+    is the export final and the devices free (a GPU run's vLLM gets the first drafter rank's GPU).
+
+    Returns:
+        0 when vLLM's run agrees with the project's; 1 (the message names the prompts) or the evaluation's own
+        exit code otherwise.
+    """
+    import subprocess
+
+    from trainer.setup import resolve_sources
+    from trainer.vllm_eval import REPORT_FILE, EngineError, VllmReport, end_of_training_argv, judge
+
+    src = resolve_sources(cfg, lambda _: None)  # the tiny target was built by the ranks: found in its cache
+    argv = end_of_training_argv(python, cfg, run_dir, src.target_dir, src.eval_files)
+    env = dict(os.environ)
+    if layout.uses_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = str(layout.gpu(layout.drafter_ranks()[0]))
+    else:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM's CPU default takes far more
+    report_path = run_dir / REPORT_FILE
+    report_path.unlink(missing_ok=True)  # an earlier attempt's verdict is not this export's
+    log(f"judging the export in vLLM ({python}): {' '.join(argv[1:])}")
+    sys.stdout.flush()
+    code = subprocess.run(argv, env=env).returncode
+    if not report_path.is_file():
+        log(f"run failed: the vLLM evaluation of {run_dir / 'export'} exited {code} before its report (its error "
+            "is above)")
+        return code or 1
+    report = VllmReport(**json.loads(report_path.read_text()))
+    log(f"vLLM: τ {report.tau_vllm:.3f} per-prompt mean ({report.tau_vllm_pooled:.3f} pooled) against the "
+        f"project's {report.tau_own:.3f}; lossless {'yes' if report.lossless else 'NO'}; "
+        f"{report.tokens_per_s_plain:.1f} -> {report.tokens_per_s_spec:.1f} tokens/s ({report.speedup:.2f}x)")
+    try:
+        judge(report, run_dir / "export")
+    except EngineError as exc:
+        log(f"run failed: the export judged in vLLM: {exc}")
+        return 1
+    return code
 
 
 def name_hidden_cause(doc: dict, cgroup, paths: list[Path]) -> list[str]:
@@ -280,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, path = resolve_config(args.config, args.resume, args.node)
         node = node_of(cfg, args.node)
+        vllm_interpreter(cfg, node)
     except (ConfigError, LayoutError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

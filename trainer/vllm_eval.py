@@ -44,6 +44,13 @@ tiny export: the two loops differ by at most ~0.1 per prompt (their last round e
 tensor or a wrong target layer moves acceptance by 1 or more."""
 
 
+VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
+"""The vLLM interpreter of a run whose experiment asks for the vLLM evaluation (evaluation.engine: vllm):
+dflashctl sets it to the experiment's data venv's python (orchestrator.agent.runcommand.build_command)."""
+REPORT_FILE = "eval_vllm.json"
+"""The end-of-training vLLM report in the run directory, beside eval_after.json."""
+
+
 class EngineError(ValueError):
     """The export cannot be judged in vLLM: vLLM missing, a geometry it cannot serve, or a mismatch."""
 
@@ -87,6 +94,9 @@ class VllmReport:
             "tau_vllm": self.tau_vllm, "tau_vllm_pooled": self.tau_vllm_pooled, "tau_own": self.tau_own,
             "lossless": self.lossless, "tokens_per_s_spec": self.tokens_per_s_spec,
             "tokens_per_s_plain": self.tokens_per_s_plain, "speedup": self.speedup,
+            "per_prompt_vllm": self.per_prompt_vllm, "per_prompt_own": self.per_prompt_own,
+            "disagreeing": self.disagreeing, "mismatched_outputs": self.mismatched_outputs,
+            "tolerance": self.tolerance, "num_speculative_tokens": self.num_speculative_tokens,
         }
 
     def table(self) -> str:
@@ -286,12 +296,15 @@ def judge(report: VllmReport, export_dir: str | Path) -> None:
 def evaluate_in_vllm(export_dir: str | Path, target_dir: str | Path, prompt_files: list[str], *,
                      max_new_tokens: int = 256, max_prompts: int | None = None,
                      chat_template_kwargs: dict | None = None, tolerance: float = DEFAULT_TOLERANCE,
-                     dtype: str = "float32", reference_export: str | Path | None = None) -> VllmReport:
+                     dtype: str = "float32", reference_export: str | Path | None = None,
+                     own_per_prompt: list[float] | None = None) -> VllmReport:
     """``python -m trainer eval --engine vllm``: vLLM's numbers beside the project's, judged.
 
     The project's loop runs on the CPU in fp32 with ``reference_export`` (default: the export itself) loaded as
     users load it (`load_export`); vLLM serves ``export_dir`` in ``dtype``. Give the trainer's own export as the
     reference when vLLM serves a converted or re-saved copy: what vLLM reads differently then shows up.
+    ``own_per_prompt``: the project's per-prompt greedy-chain acceptance measured already on these prompts (the
+    end-of-training evaluation's, `own_chain` of eval_after.json): the project's loop is not run again.
 
     Raises:
         EngineError: vLLM is not importable here, cannot serve the target, or disagrees with the project.
@@ -319,14 +332,50 @@ def evaluate_in_vllm(export_dir: str | Path, target_dir: str | Path, prompt_file
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     prompts = load_prompts(prompt_files, tokenizer, chat_template_kwargs)[:max_prompts]
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # batch-1 decoding of a small model is latency-bound: more threads only contend
-    drafter = load_export(reference_export or export_dir, "cpu").float()
-    target = TargetModel.from_pretrained(target_dir, layer_ids=drafter.target_layer_ids, dtype=torch.float32,
-                                         device="cpu")
-    own = acceptance_length(drafter, target, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop)
-    del drafter, target
-    torch.set_num_threads(threads)
+    if own_per_prompt is None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # batch-1 decoding of a small model is latency-bound: more threads only contend
+        drafter = load_export(reference_export or export_dir, "cpu").float()
+        target = TargetModel.from_pretrained(target_dir, layer_ids=drafter.target_layer_ids, dtype=torch.float32,
+                                             device="cpu")
+        own_per_prompt = acceptance_length(drafter, target, prompts, max_new_tokens=max_new_tokens,
+                                           stop_token_ids=stop).per_prompt
+        del drafter, target
+        torch.set_num_threads(threads)
+    elif len(own_per_prompt) != len(prompts):
+        raise EngineError(f"the project's evaluation measured {len(own_per_prompt)} prompts, {', '.join(prompt_files)} "
+                          f"gives {len(prompts)} here: not the same held-out prompts")
     result = run_vllm(export_dir, target_dir, prompts, max_new_tokens=max_new_tokens, stop_ids=stop, dtype=dtype)
-    report = compare(result, own.per_prompt, tolerance)
+    report = compare(result, own_per_prompt, tolerance)
     return report
+
+
+def own_chain(eval_json: str | Path) -> list[float] | None:
+    """The project's greedy-chain per-prompt acceptance in an evaluation json (eval_after.json), None when that
+    evaluation did not measure the greedy chain (evaluation.temperatures without 0)."""
+    doc = json.loads(Path(eval_json).read_text())
+    for r in doc.get("results", []):
+        if r.get("budget") is None and r.get("temperature") == 0.0:
+            return [float(x) for x in r["per_prompt"]]
+    return None
+
+
+def end_of_training_argv(python: str, cfg, run_dir: str | Path, target_dir: str | Path,
+                         eval_files: list[str]) -> list[str]:
+    """The end-of-training vLLM evaluation of ``run_dir``'s export, as ``python -m trainer eval --engine vllm``
+    in the vLLM interpreter (pure): the held-out prompts, chat-template arguments and response length of the
+    run's own end-of-training evaluation, its per-prompt numbers from eval_after.json, the report and the
+    metrics line written into the run."""
+    run = Path(run_dir)
+    tiny = cfg.model.target == "tiny"
+    max_new = cfg.model.tiny_target.response_tokens if tiny else cfg.data.eval_max_new_tokens
+    argv = [python, "-m", "trainer", "eval", "--engine", "vllm", "--export", str(run / "export"),
+            "--target", str(target_dir)]
+    for f in eval_files:
+        argv += ["--prompts", str(f)]
+    argv += ["--max-new-tokens", str(max_new), "--chat-template-kwargs", json.dumps(dict(cfg.data.chat_template_kwargs)),
+             "--tolerance", repr(float(cfg.evaluation.vllm_tolerance)), "--json", str(run / REPORT_FILE),
+             "--metrics", str(run / "metrics.jsonl")]
+    if (run / "eval_after.json").is_file() and own_chain(run / "eval_after.json") is not None:
+        argv += ["--own-report", str(run / "eval_after.json")]
+    return argv

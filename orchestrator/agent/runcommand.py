@@ -23,6 +23,9 @@ SECRET_FILE = "launch.secret0"
 start_training.sh reads it and deletes it before the command starts, so no secret stays on the run's disk.
 (Not tmux's `-e`/set-environment: those put the value on the tmux client's argv, which `ps` shows to every
 user of the container, and keep it in the session's environment for every later pane.)"""
+VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
+"""The run's vLLM interpreter for the end-of-training evaluation in vLLM: trainer.vllm_eval.VLLM_PYTHON_ENV (the
+agent never imports the trainer; a test holds the two names equal)."""
 # Variables of the agent's own environment that must not leak into a run.
 DROP_ENV = ("TMUX", "TMUX_PANE")
 
@@ -45,7 +48,9 @@ def build_command(req: LaunchRequest, gpus: list[int], run_dir: Path, config: di
     the layout, each given exactly its GPU by trainer.launch itself (see run_environment). PYTHONPATH stays
     the agent's (the bundle zip in a container, the source tree locally); TORCHINDUCTOR_CACHE_DIR is the
     config's compile.cache_dir. kind command: the experiment's argv with its env, CUDA_VISIBLE_DEVICES from
-    its gpus, and DFLASHCTL_RESUME_DIR=<old run dir> when resuming.
+    its gpus, and DFLASHCTL_RESUME_DIR=<old run dir> when resuming. A dflash run whose config asks for the
+    vLLM evaluation (evaluation.engine: vllm) gets DFLASH_VLLM_PYTHON, the vLLM interpreter (`vllm_python`: the
+    data venv's), and is refused here, before training, when there is none.
 
     Args:
         gpus: the GPUs the run occupies (a resumed run's may differ from the request's: preflight.run_gpus).
@@ -77,6 +82,8 @@ def build_command(req: LaunchRequest, gpus: list[int], run_dir: Path, config: di
         cache = (cfg.get("compile") or {}).get("cache_dir")
         if cache:
             extra["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+        if (cfg.get("evaluation") or {}).get("engine") == "vllm" and not req.data_only:
+            extra[VLLM_PYTHON_ENV] = vllm_python(req)
         return argv, extra
     if req.kind == "command":
         if not req.command:
@@ -88,6 +95,34 @@ def build_command(req: LaunchRequest, gpus: list[int], run_dir: Path, config: di
             extra[resume.RESUME_ENV] = str(resume_dir)
         return list(req.command), {**env, **extra}
     raise AgentFailure("BadRequest", f"launch request: unknown experiment kind {req.kind!r} (dflash or command)")
+
+
+def vllm_python(req: LaunchRequest) -> str:
+    """The interpreter that judges a run's export in vLLM after training (evaluation.engine: vllm): the data
+    venv's (`data_python`), which holds vLLM; the training venv's own only when it has vLLM itself.
+
+    Raises:
+        AgentFailure("VenvMismatch"): the data venv is not built (the fix builds it), or the experiment names no
+            data venv and the training venv has no vLLM.
+    """
+    import importlib.util
+
+    profile = req.data_venv_profile or {}
+    python = data_python(req)
+    where = f" --target {req.target}" if req.target else ""
+    if profile.get("kind") == "uv":
+        if not Path(python).is_file():
+            fix = f"dflashctl rebuild-venv{where} --profile {profile['name']}"
+            raise AgentFailure("VenvMismatch", f"experiment {req.experiment}: evaluation.engine is vllm, and its vLLM "
+                               f"venv (data_venv {profile['name']!r}) is not built: no {python}", fix=fix,
+                               data={"data_venv": profile["name"]})
+    elif profile.get("kind") != "system" and importlib.util.find_spec("vllm") is None:
+        raise AgentFailure("VenvMismatch", f"experiment {req.experiment}: evaluation.engine is vllm, but it names no "
+                           f"data_venv and this venv ({sys.executable}) has no vLLM (vLLM pins its own torch: it lives "
+                           "in a venv of its own)",
+                           fix=f"add `data_venv: vllm` to experiment {req.experiment} in the inventory, then run "
+                               f"`dflashctl rebuild-venv{where} --profile vllm`; or set evaluation.engine: own")
+    return python
 
 
 def needs_data_stage(config: dict) -> bool:
