@@ -34,7 +34,7 @@ def throughput_summary(metrics_path: Path, skip_first: int = 3) -> dict | None:
     """Median tokens/s of a finished run's metrics (warm-up records skipped), or None if it has none."""
     values = []
     try:
-        with open(metrics_path, encoding="utf-8") as fh:
+        with open(metrics_path, encoding="utf-8", errors="replace") as fh:  # a torn or foreign byte: that line only
             for line in fh:
                 try:
                     rec = json.loads(line)

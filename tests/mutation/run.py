@@ -187,7 +187,7 @@ MODULES: dict[str, dict] = {
         "files": ["orchestrator/monitor.py"],
         "functions": ["orchestrator.monitor.xǁHangDetectorǁ*", "orchestrator.monitor.xǁThroughputRegressionǁ*",
                       "orchestrator.monitor.x_record_time__*", "orchestrator.monitor.x__number__*"],
-        "tests": ["tests/orchestrator/test_monitor.py"],
+        "tests": ["tests/orchestrator/test_monitor.py", "tests/orchestrator/test_monitor_mutants.py"],
     },
     "tailer (baseline)": {  # the one definition of the last good run
         "files": ["orchestrator/agent/tailer.py"],

@@ -87,3 +87,60 @@ def test_a_real_run_stopped_with_exit_0_is_not_the_baseline_of_the_next(local_ta
     second = launch(local_target, LaunchSpec(experiment="cut", kind="command", target="local", command=["true"],
                                              venv_profile={"kind": "workstation"}))
     assert baseline_seen_by_tail(Path(local_target.workdir), second.run_id) is None
+
+
+# ------------------------------------ exact edges of the summary and the search (what the mutation run found)
+
+
+def _metrics(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def test_the_summary_is_the_median_of_positive_numbers_after_the_warm_up(tmp_path):
+    from orchestrator.agent.tailer import throughput_summary
+
+    m = tmp_path / "metrics.jsonl"
+    # 3 warm-up records skipped when more than 5 values remain: median of 10, 20, 30 (odd) and of 4 values (even)
+    assert throughput_summary(_metrics(m, [{"tokens_per_s": v} for v in (1, 2, 3, 30, 10, 20)])) == {
+        "tokens_per_s": 20.0, "samples": 3}
+    assert throughput_summary(_metrics(m, [{"tokens_per_s": v} for v in (1, 2, 3, 40, 10, 20, 30)])) == {
+        "tokens_per_s": 25.0, "samples": 4}
+    # five values or fewer: nothing skipped (a short run's every record counts)
+    assert throughput_summary(_metrics(m, [{"tokens_per_s": v} for v in (1, 2, 3, 4, 100)])) == {
+        "tokens_per_s": 3.0, "samples": 5}
+    assert throughput_summary(_metrics(m, [{"tokens_per_s": 7}])) == {"tokens_per_s": 7.0, "samples": 1}
+    assert throughput_summary(_metrics(m, [{"tokens_per_s": 6}, {"tokens_per_s": 9}])) == {
+        "tokens_per_s": 7.5, "samples": 2}
+    # the skip is a parameter
+    assert throughput_summary(_metrics(m, [{"tokens_per_s": v} for v in (1, 2, 3, 30, 10, 20)]), skip_first=0) == {
+        "tokens_per_s": 6.5, "samples": 6}
+    # what is not a positive number, or not a record, or not JSON, is not a value
+    junk = ["{half", "[1, 2]", "null", {"tokens_per_s": 0}, {"tokens_per_s": -5}, {"tokens_per_s": "9"},
+            {"tokens_per_s": None}, {"tps": 9}, {"tokens_per_s": 4.5}]
+    assert throughput_summary(_metrics(m, junk)) == {"tokens_per_s": 4.5, "samples": 1}
+    assert throughput_summary(_metrics(m, junk[:-1])) is None
+    assert throughput_summary(tmp_path / "absent.jsonl") is None
+    # a line that is not UTF-8 (a torn write) is one bad line, not a crash of every follow of the experiment
+    m.write_bytes(b'{"tokens_per_s": 3}\n\xff\xfe\n{"tokens_per_s": 5}\n')
+    assert throughput_summary(m) == {"tokens_per_s": 4.0, "samples": 2}
+
+
+def test_the_baseline_is_the_newest_older_succeeded_run_of_the_same_experiment_with_metrics(tmp_path):
+    finished(tmp_path, "exp-1", "2026-01-01T00:00:00Z", {"exit_code": 0}, [10.0] * 8)
+    finished(tmp_path, "exp-2", "2026-01-01T06:00:00Z", {"exit_code": 0}, [20.0] * 8)
+    finished(tmp_path, "exp-3", "2026-01-01T12:00:00Z", {"exit_code": 0}, [])  # succeeded, no metrics: skipped
+    other = finished(tmp_path, "oth-1", "2026-01-01T18:00:00Z", {"exit_code": 0}, [99.0] * 8)
+    info = json.loads((other / "run.json").read_text())
+    (other / "run.json").write_text(json.dumps({**info, "experiment": "other"}))
+    finished(tmp_path, "exp-4", "2026-01-02T00:00:00Z", None, [1.0] * 8)
+    assert last_good_baseline(tmp_path, resolve_run(tmp_path, "exp-4")) == {
+        "run_id": "exp-2", "tokens_per_s": 20.0, "samples": 5}  # the newest good one, not the first found
+    assert last_good_baseline(tmp_path, resolve_run(tmp_path, "exp-2")) == {
+        "run_id": "exp-1", "tokens_per_s": 10.0, "samples": 5}
+    # the followed run itself never counts, even when it succeeded; nor a run of the same time (not older)
+    finished(tmp_path, "exp-5", "2026-01-02T00:00:00Z", {"exit_code": 0}, [50.0] * 8)
+    assert last_good_baseline(tmp_path, resolve_run(tmp_path, "exp-4"))["run_id"] == "exp-2"
+    # a run with no experiment has no baseline
+    ref = resolve_run(tmp_path, "exp-4")
+    assert last_good_baseline(tmp_path, type(ref)(**{**ref.__dict__, "info": {}})) is None
