@@ -129,7 +129,8 @@ MODULES: dict[str, dict] = {
                       "trainer.store.xǁ_Hashedǁ*", "trainer.store.x__publish__*", "trainer.store.x__clear_stale__*",
                       "trainer.store.x_split_files__*", "trainer.store.x__count_lines__*",
                       "trainer.store.x__concatenate__*", "trainer.store.x_build_store__*"],
-        "tests": ["tests/trainer/test_store.py", "-k", "not memory_does_not_grow and not tiny_run_trains"],
+        "tests": ["tests/trainer/test_store_unit.py", "tests/trainer/test_store.py",
+                  "-k", "not memory_does_not_grow and not tiny_run_trains"],
     },
     "regen shards": {  # the regeneration's shards and resume bookkeeping: records, checks, the manifest
         "files": ["trainer/regen_shards.py"],
