@@ -57,6 +57,10 @@ def _print(st) -> None:
             for r in st.runs]
     out.print(table(f"runs ({len(st.runs)} of {st.total_runs})",
                     ["run", "state", "exit", "signal", "seconds", "tokens/s"], rows))
+    if st.balance:
+        out.print(f"run {st.balance_run}:")
+        for line in st.balance:
+            out.print(f"  {line}")
 
 
 def register(app: typer.Typer) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.agent.requests import MetricsAnswer, MetricsRequest
-from orchestrator.errors import AgentError, RunNotFound, UserError
+from orchestrator.errors import UserError
+from orchestrator.ops.runnotes import fetch_rows, run_notes
 from trainer.metrics import parse_tau_key
 
 # Series drawn, in panel order, with the keys the trainer may use for them (first key present wins).
@@ -42,13 +42,7 @@ def fetch_metrics(target, run_id: str | None = None, *, experiment: str | None =
     Raises:
         RunNotFound: no such run in the target.
     """
-    try:
-        ans = target.agent("metrics", MetricsRequest(run_id=run_id, experiment=experiment, max_rows=max_rows).to_json(),
-                           answer=MetricsAnswer)
-    except AgentError as exc:
-        if exc.agent_type == "RunNotFound":
-            raise RunNotFound(exc.message, fix=exc.fix) from None
-        raise
+    ans = fetch_rows(target, run_id, experiment=experiment, max_rows=max_rows)
     return series_from_rows(ans.run_id, ans.rows, ans.total)
 
 
@@ -139,29 +133,6 @@ def regen_series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]
         rate.append(float(row.get("regen_tokens_per_s") or 0.0))
         done.append(row.get("regen_conversations", 0) / row["regen_conversations_total"])
     return {REGEN_PANELS[0]: (xs, rate), REGEN_PANELS[1]: (xs, done)} if xs else {}
-
-
-def run_notes(rows: list[dict]) -> list[str]:
-    """What a run's records say beyond the charts: which side of a split layout waits and the split the rates
-    suggest (orchestrator.balance, from the trainer's `facts` record), and the export judged in vLLM
-    (`eval_vllm` records of `python -m trainer eval --engine vllm --metrics ...`) beside the project's τ."""
-    from orchestrator.balance import from_records
-
-    notes: list[str] = []
-    facts = next((r for r in rows if r.get("kind") == "facts"), {})
-    bal = from_records(rows, int(facts.get("target_ranks") or 0), int(facts.get("drafter_ranks") or 0))
-    if bal is not None:
-        notes += bal.lines()
-    for rec in (r for r in rows if r.get("kind") == "eval_vllm"):
-        nums = {k: _number(rec.get(k)) for k in ("tau_own", "tau_vllm", "tau_vllm_pooled", "tokens_per_s_plain",
-                                                  "tokens_per_s_spec", "speedup")}
-        if None in nums.values():
-            continue
-        notes.append(
-            f"vLLM: τ {nums['tau_vllm']:.3f} per-prompt mean ({nums['tau_vllm_pooled']:.3f} pooled) against the "
-            f"project's {nums['tau_own']:.3f}; lossless {'yes' if rec.get('lossless') else 'NO'}; "
-            f"{nums['tokens_per_s_plain']:.1f} -> {nums['tokens_per_s_spec']:.1f} tokens/s ({nums['speedup']:.2f}x)")
-    return notes
 
 
 def render_terminal(ms: MetricsSeries, width: int = 100, height: int = 12) -> str:

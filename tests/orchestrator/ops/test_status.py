@@ -119,3 +119,35 @@ def test_pct_stop_kills_the_session_and_status_says_so(fake_pve):
         assert up.run(res.run_id)["state"] == "crashed" and up.run(res.run_id)["exit_code"] is None
     finally:
         fake_pve.remove_container(311)
+
+
+def test_cli_status_prints_the_newest_runs_balance_as_metrics_does(dflashctl, tmp_path):
+    """`dflashctl status` shows the target/drafter balance advice of the newest run under its runs table: the
+    very lines `dflashctl metrics` prints (one rule, orchestrator.ops.runnotes.balance_notes), and --json holds
+    them; a run without rates shows none."""
+    import json
+
+    from tests.orchestrator.test_cli import write_inventory
+
+    inv = write_inventory(tmp_path)
+    runs = tmp_path / "work" / "runs"
+    for run_id, created in (("tiny-old", "2026-11-29T00:00:00Z"), ("tiny-b", "2026-11-30T00:00:00Z")):
+        (runs / run_id).mkdir(parents=True)
+        (runs / run_id / "run.json").write_text(json.dumps({"experiment": "tiny", "created": created}))
+    rows = [{"kind": "facts", "target_ranks": 1, "drafter_ranks": 2},
+            *({"kind": "train", "step": i, "loss": 1.0, "target_tokens_per_s": 1000.0, "drafter_tokens_per_s": 8000.0}
+              for i in range(1, 5))]
+    (runs / "tiny-b" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics = dflashctl("--inventory", str(inv), "metrics", "tiny-b")
+    assert metrics.returncode == 0, metrics.stderr
+    advice = metrics.stdout.rstrip("\n").splitlines()[-4:]
+    assert advice[0].startswith("balance: the drafter ranks wait for features"), advice
+    res = dflashctl("--inventory", str(inv), "status")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.rstrip("\n").splitlines()
+    at = out.index("run tiny-b:")
+    assert [line.strip() for line in out[at + 1:at + 5]] == [line.strip() for line in advice]
+    st = json.loads(dflashctl("--inventory", str(inv), "status", "--json").stdout)
+    assert st["balance_run"] == "tiny-b" and st["balance"] == advice
+    (runs / "tiny-b" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert "balance:" not in dflashctl("--inventory", str(inv), "status").stdout
