@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,23 +25,101 @@ TINY = {"num_prompts": 384, "held_out": 8, "hidden_size": 128, "num_attention_he
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_cache, tmp_path_factory):
-    """A drafter trained 150 steps against the head_dim-32 tiny target: (export, target dir, held-out prompts)."""
-    python = vllm_python()
-    from trainer.distributed import single_world
-    from trainer.loop import train
-    from trainer.tiny import build_tiny, tiny_train_config
+def _config(out, **over):
+    from trainer.tiny import tiny_train_config
 
-    os.environ["DFLASH_TINY_CACHE"] = str(tiny_cache)
+    return tiny_train_config(out, max_steps=150, log_every=50, save_every=1000,
+                             evaluation={"budgets": [], "temperatures": [0.0], "engine": "vllm"},
+                             model={"target": "tiny", "tiny_target": TINY, "block_size": 8, "num_draft_layers": 2,
+                                    "num_target_features": 3}, **over)
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_cache, tmp_path_factory):
+    """A drafter trained 150 steps against the head_dim-32 tiny target by `python -m trainer.launch` with
+    evaluation.engine: vllm and the vLLM interpreter in $DFLASH_VLLM_PYTHON: the launcher judges the final
+    export in vLLM after the ranks. (vLLM python, run dir, the launcher's result, the config.)"""
+    python = vllm_python()
     out = tmp_path_factory.mktemp("vllm-eval") / "run"
-    cfg = tiny_train_config(out, max_steps=150, log_every=50, save_every=1000,
-                            evaluation={"budgets": [], "temperatures": [0.0], "engine": "vllm"},
-                            model={"target": "tiny", "tiny_target": TINY, "block_size": 8, "num_draft_layers": 2,
-                                   "num_target_features": 3})
-    train(cfg, single_world(cfg.layout.to_layout()), log=lambda _: None)
+    cfg = _config(out)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+    os.environ["DFLASH_TINY_CACHE"] = str(tiny_cache)  # the end-of-training step finds the tiny target there
+    env = {**ENV, "DFLASH_VLLM_PYTHON": python}
+    res = subprocess.run([sys.executable, "-m", "trainer.launch", "--config", str(out / "config.json")],
+                         capture_output=True, text=True, env=env, timeout=1700)
+    return python, out, res, cfg
+
+
+@pytest.fixture(scope="module")
+def trained(launched, tiny_cache):
+    """(vLLM python, the export, target dir, held-out prompts) of the launched run."""
+    from trainer.tiny import build_tiny
+
+    python, out, res, cfg = launched
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
+    os.environ["DFLASH_TINY_CACHE"] = str(tiny_cache)
     assets = build_tiny(cfg.model.tiny_target, log=lambda _: None)
     return python, out / "export", assets.target_dir, assets.eval_file
+
+
+def test_the_end_of_training_evaluation_in_vllm_lands_in_the_runs_metrics_beside_the_projects_tau(launched):
+    """After the final export the launcher ran the vLLM evaluation on the end-of-training evaluation's prompts
+    and numbers: eval_vllm.json, an eval_vllm metrics line with every number, dflashctl metrics' note."""
+    from orchestrator.ops.metrics import series_from_rows
+
+    python, out, res, _ = launched
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
+    assert "[launch] judging the export in vLLM" in res.stdout
+    report = json.loads((out / "eval_vllm.json").read_text())
+    after = json.loads((out / "eval_after.json").read_text())
+    assert report["per_prompt_own"] == after["per_prompt"]  # the project's own end-of-training numbers
+    assert report["lossless"] and report["disagreeing"] == [] and len(report["per_prompt_vllm"]) == 8
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rec = rows[-1]
+    assert rec["kind"] == "eval_vllm" and rec["per_prompt_vllm"] == report["per_prompt_vllm"]
+    for key in ("tau_vllm", "tau_vllm_pooled", "tau_own", "lossless", "tokens_per_s_spec", "tokens_per_s_plain",
+                "speedup", "per_prompt_own"):
+        assert key in rec, key
+    assert rec["tau_own"] == pytest.approx(after["tau"])
+    notes = series_from_rows("r", rows).notes
+    assert any(n.startswith("vLLM: τ") and f"against the project's {after['tau']:.3f}" in n for n in notes), notes
+    assert "[launch] vLLM: τ" in res.stdout
+    print(res.stdout[-1500:])
+
+
+def test_a_tensor_vllm_reads_as_zero_fails_the_run_at_its_end_naming_the_prompts(launched, tmp_path):
+    """The same end-of-training step on a copy of the run whose export lost a tensor (zeroed, as vLLM's loader
+    leaves a tensor it does not map): the project's numbers (eval_after.json) and vLLM's disagree, the step
+    returns 1 and its line names the prompts."""
+    from trainer.launch import judge_in_vllm
+
+    python, out, res, cfg = launched
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(out / "eval_after.json", run / "eval_after.json")
+    _copy(out / "export", run / "export", tensors=lambda s: s.__setitem__("fc.weight", torch.zeros_like(s["fc.weight"])))
+    lines = []
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    code = judge_in_vllm(cfg, run, python, cfg.layout.to_layout(), lines.append)
+    assert code == 1, lines
+    failed = next(line for line in lines if line.startswith("run failed: the export judged in vLLM"))
+    assert "vLLM's acceptance differs from the project's beyond 0.25 on" in failed and "vs project" in failed
+    assert json.loads((run / "eval_vllm.json").read_text())["disagreeing"]
+
+
+def test_a_run_to_be_judged_in_vllm_without_a_vllm_interpreter_is_refused_before_training(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(_config(out).model_dump(mode="json")))
+    env = {k: v for k, v in ENV.items() if k != "DFLASH_VLLM_PYTHON"}
+    for extra in ({}, {"DFLASH_VLLM_PYTHON": str(tmp_path / "no-such-python")}):
+        res = subprocess.run([sys.executable, "-m", "trainer.launch", "--config", str(out / "config.json")],
+                             capture_output=True, text=True, env={**env, **extra}, timeout=300)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "evaluation.engine is vllm, but $DFLASH_VLLM_PYTHON" in res.stderr
+        assert "dflashctl rebuild-venv --target T --profile vllm" in res.stderr
+        assert not (out / "ranks").exists()
 
 
 def _eval(trained, export, *extra):
