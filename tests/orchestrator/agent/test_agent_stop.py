@@ -243,3 +243,55 @@ def test_a_process_that_outlives_sigkill_fails_the_stop_naming_it(local_target, 
         (cg / "freezer.state").write_text("THAWED")
         wait_for(lambda: not alive(pid), what="the thawed process to die of its pending SIGKILL")
         (cg / "cgroup.procs").read_text() or cg.rmdir()
+
+
+# ------------------------------------------------- what the mutation run found untested (tests/mutation/run.py)
+
+# The leader sleeps; a setsid child (its own group and session, found by the marker only) dies of SIGINT.
+WITH_DAEMON = [sys.executable, "-c", (
+    "import subprocess, sys, time\n"
+    "d = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True,"
+    " stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    "print('daemon', d.pid, flush=True)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n")]
+
+
+def test_sigint_reaches_a_process_that_left_the_group_at_the_first_step(local_target):
+    """The group's leader and a setsid child both end on SIGINT: one step, the child signalled by pid at it."""
+    res = launch(local_target, spec("daemon", WITH_DAEMON))
+    log = ready(Path(res.run_dir))
+    daemon = int(log.split("daemon ", 1)[1].split()[0])
+    result, events = stop(local_target.workdir, res.run_id, grace_s=5, requested_by=WHO)
+    assert result["signals"] == ["SIGINT"]
+    assert [e["message"] for e in events if e.get("message", "").startswith("also sent")] == [
+        f"also sent SIGINT to pid(s) {daemon}, which left the run's process group"]
+    assert not alive(daemon) and runprocs.run_processes(res.run_dir) == []
+
+
+# The leader ends at once; its setsid child ignores INT and TERM and keeps the log's pipe open, so the wrapper
+# (in the pane's group) waits for tee, which waits for the child: the pid file's group is empty, the pane lives.
+LEADER_GONE = [sys.executable, "-c", (
+    "import subprocess, sys\n"
+    "c = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time\\n"
+    "signal.signal(2, signal.SIG_IGN); signal.signal(15, signal.SIG_IGN)\\n"
+    "print(\"ready\", flush=True)\\ntime.sleep(600)'], start_new_session=True)\n"
+    "print('child', c.pid, flush=True)\n")]
+
+
+def test_when_the_groups_leader_is_gone_the_panes_group_is_never_signalled(local_target):
+    """The pane's group holds the wrapper and its tee, which must live on to finish the log and write exit.json:
+    with the command's leader gone, only the run's own processes are signalled, and exit.json is written."""
+    res = launch(local_target, spec("leadergone", LEADER_GONE))
+    run_dir = Path(res.run_dir)
+    log = ready(run_dir)
+    child = int(log.split("child ", 1)[1].split()[0])
+    leader = int((run_dir / "pid").read_text())
+    wait_for(lambda: not runprocs.group_members(leader), what="the leader's end")
+    assert alive(child) and not (run_dir / "exit.json").exists()  # tee still holds the pipe: no exit.json yet
+    result, events = stop(local_target.workdir, res.run_id, grace_s=0.3, requested_by=WHO)
+    assert result["signals"] == ["SIGINT", "SIGTERM", "SIGKILL"]
+    assert [e["message"].split(" (", 1)[1].split(";")[0] for e in events if e.get("message", "").startswith("sending")] \
+        == ["its processes"] * 3  # no group: the leader is gone
+    assert result["exit"] is not None and result["exit"]["exit_code"] == 0  # the wrapper lived to write it
+    assert result["state"] == "stopped" and not alive(child)
