@@ -295,3 +295,15 @@ def test_when_the_groups_leader_is_gone_the_panes_group_is_never_signalled(local
         == ["its processes"] * 3  # no group: the leader is gone
     assert result["exit"] is not None and result["exit"]["exit_code"] == 0  # the wrapper lived to write it
     assert result["state"] == "stopped" and not alive(child)
+
+
+def test_stop_json_says_who_and_through_which_verb_with_defaults_for_what_was_not_said(tmp_path):
+    stopping._record_stop(tmp_path, {"by": "bob@ws", "via": "dflashctl launch --replace"})
+    rec = json.loads((tmp_path / "stop.json").read_text())
+    assert (rec["by"], rec["via"]) == ("bob@ws", "dflashctl launch --replace") and rec["at"].endswith("Z")
+    stopping._record_stop(tmp_path, None)
+    assert {k: v for k, v in json.loads((tmp_path / "stop.json").read_text()).items() if k != "at"} == {
+        "by": "unknown", "via": "dflashctl stop"}
+    stopping._record_stop(tmp_path, {"by": "", "via": None})
+    assert {k: v for k, v in json.loads((tmp_path / "stop.json").read_text()).items() if k != "at"} == {
+        "by": "unknown", "via": "dflashctl stop"}
