@@ -100,7 +100,7 @@ MUTANTS = [
              'lock.release()\n    emit.progress("lock", f"holding {lock.path}")')]),
     Mutant("check-run-ref-dotdot", "check_run_ref reduced to the `..` check",
            ["tests/orchestrator/test_names.py::test_every_verb_that_takes_a_run_refuses_a_bad_one_as_the_user_sees_it"],
-           [("orchestrator/inventory.py", "        return names.check_run_id(value, kind)\n",
+           [("orchestrator/inventory_models.py", "        return names.check_run_id(value, kind)\n",
              "        if '..' in value:\n            raise names.BadName(f'bad {kind} {value!r}', fix='')\n"
              "        return value\n")]),
     Mutant("dollar-validator", "the name rule matches with `$` (accepts 'abc\\n')",

@@ -442,9 +442,9 @@ def test_the_loader_is_libyaml_and_keeps_lines(tmp_path):
     measures it) still gives every key its line."""
     import yaml
 
-    from orchestrator import inventory
+    from orchestrator import located
 
-    assert issubclass(inventory._Loader, yaml.CSafeLoader)
+    assert issubclass(located.Loader, yaml.CSafeLoader)
     inv = load_inventory(write(tmp_path, BASE))
     assert inv.line_of("experiments", "cmd", "gpus") == line_of(BASE, "gpus: [0, 1]")
     assert inv.line_of("targets", "ct200", "ctid") == line_of(BASE, "ctid: 200")

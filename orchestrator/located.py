@@ -1,0 +1,386 @@
+"""YAML in, plain data out, and every error at its `FILE:LINE`: the generic engine under orchestrator.inventory.
+
+Loading is two passes, the second only when an error must be placed:
+
+- `load_data` parses with libyaml (PyYAML's CSafeLoader) straight to plain data: no line index, no node graph
+  kept. A large file's data is also kept in a cache keyed by its text's SHA-256 (marshal, beside the state
+  dir), so the next command reads it back in a fraction of the parse (bench/inventory_load.py).
+- `key_lines` composes the same text again with its marks and maps every key path to its 1-based line,
+  refusing duplicate keys at their line. It runs for a duplicate the first pass noticed, for validation or
+  reference errors, and for `line_of`.
+
+Before either: a control character YAML cannot hold is one `FILE:LINE` error, and anchors/aliases are
+refused at the alias's line (a 300-byte alias bomb expands to billions of nodes).
+
+`validation_errors` turns a pydantic ValidationError over the data into `FILE:LINE: key.path: what` lines
+(unknown keys get a "did you mean", a discriminated union's tag is left out of the path), and `place` does
+the same for errors found by other checks (a list of (key path, message)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import gc
+import hashlib
+import marshal
+import os
+import re
+import sys
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from orchestrator import quoting
+from orchestrator.errors import InventoryError
+
+# Texts smaller than this parse faster than a cache file is written and read back.
+CACHE_MIN_BYTES = 256 * 1024
+CACHE_KEEP = 4
+_CACHE_FORMAT = f"1-py{sys.version_info[0]}.{sys.version_info[1]}-pyyaml{yaml.__version__}"
+
+Lines = dict[tuple[str, ...], int]
+
+
+def suggest(word: str, choices: Iterable[str]) -> str | None:
+    """The closest of `choices` to `word` (difflib), or None when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+class DuplicateKey(Exception):
+    """The first pass found a mapping with fewer keys than entries (a duplicate key, or a `<<` merge's
+    override): the second pass says which and where."""
+
+
+# libyaml's C parser and composer (PyYAML's pure-Python composer took ~200 s on a 10 MB inventory); the
+# nodes it composes keep their marks, so the second pass still points every error at its line.
+class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """libyaml's loader whose implicit-tag resolution (Python, once per scalar) is remembered per distinct
+    scalar: an inventory repeats the same few values (kinds, hosts, GPU numbers) thousands of times."""
+
+    _tags: dict = {}
+
+    def resolve(self, kind, value, implicit):
+        if kind is not yaml.ScalarNode:
+            return super().resolve(kind, value, implicit)
+        key = (value, implicit)
+        tag = self._tags.get(key)
+        if tag is None:
+            tag = super().resolve(kind, value, implicit)
+            if len(self._tags) < 65536:  # bounded: a file of unique values gains nothing from it
+                self._tags[key] = tag
+        return tag
+
+
+class _DataLoader(Loader):
+    """The first pass: plain data; a mapping whose dict is shorter than its entries raises DuplicateKey."""
+
+    def construct_mapping(self, node, deep=False):
+        mapping = super().construct_mapping(node, deep=deep)
+        if len(mapping) != len(node.value):
+            raise DuplicateKey
+        return mapping
+
+
+# What YAML itself refuses as text (YAML 1.1 printable set): C0 controls but TAB, LF, CR; DEL; C1 but NEL;
+# surrogates; U+FFFE/U+FFFF. Found here first so the error names the line, not a byte offset.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x84\x86-\x9f\ud800-\udfff\ufffe\uffff]")
+
+
+def refuse_unprintable(text: str, source: str, fixable: bool = True) -> None:
+    """Raise one InventoryError naming the line and column of the first character YAML cannot hold.
+    `fixable`: `source` is a file the user can clean with the printed `tr` line."""
+    m = _UNPRINTABLE.search(text)
+    if m is None:
+        return
+    line = text.count("\n", 0, m.start()) + 1
+    column = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+    code = ord(m.group())
+    fix = f"delete the character at line {line}, column {column} of {source}"
+    if code == 0 and fixable:  # NUL: a whole-file cleanup, runnable as printed
+        f = quoting.render([source])
+        fix = f"tr -d '\\000' < {f} > {f}.new && mv {f}.new {f}"
+    raise InventoryError(
+        f"{source}:{line}: control character U+{code:04X}{' (NUL)' if code == 0 else ''} at column {column}; "
+        "YAML text cannot hold it", fix=fix)
+
+
+def refuse_aliases(text: str, source: str) -> None:
+    """Refuse YAML anchors/aliases: one 300-byte alias bomb expands to billions of nodes in every walk over
+    the document (line index, validation). No inventory needs them; the error names the first alias's line.
+
+    Only a text with an `&` can define an anchor, so the usual inventory pays nothing; otherwise the C parser's
+    events are read once (no nodes built) before anything is composed."""
+    if "&" not in text:
+        return
+    scan = Loader(text)
+    try:
+        while scan.check_event():
+            event = scan.get_event()
+            if isinstance(event, yaml.AliasEvent):
+                line = event.start_mark.line + 1
+                raise InventoryError(
+                    f"{source}:{line}: YAML alias *{event.anchor}: anchors and aliases are not accepted in an "
+                    "inventory (a few aliases can expand to billions of entries)",
+                    fix=f"write the entry out in full at line {line} of {source} instead of *{event.anchor}",
+                )
+    finally:
+        scan.dispose()
+
+
+def _yaml_error(exc: yaml.YAMLError, source: str) -> InventoryError:
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = " ".join(p for p in (exc.context, exc.problem) if p)
+        return InventoryError(f"{where}: YAML syntax error: {problem}", fix="fix the YAML at that line")
+    return InventoryError(f"{source}: YAML error: {' '.join(str(exc).split())}", fix=f"fix the YAML in {source}")
+
+
+@contextlib.contextmanager
+def no_gc():
+    """The cyclic GC off for a block that builds a large acyclic graph (a YAML document, its models): each
+    collection would walk everything built so far again (on a 10 MB inventory, 3x the validation's time)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run(loader_cls, text: str, source: str, fn):
+    """fn(loader) on a fresh loader of `text`, the cyclic GC off (it would walk the growing graph again and
+    again; it holds no cycles until done); a YAML error becomes one `FILE:LINE` InventoryError."""
+    loader = loader_cls(text)
+    try:
+        with no_gc():
+            return fn(loader)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source) from None
+    finally:
+        loader.dispose()
+
+
+def load_data(text: str, source: str, *, fixable: bool = True, cache_dir: Path | None = None) -> Any:
+    """The plain data of YAML `text`: the first pass (`cache_dir`: where large texts' data is kept).
+
+    Raises:
+        InventoryError: a control character, a YAML syntax error, an alias or a duplicate key, as one
+            `FILE:LINE: what` line.
+    """
+    refuse_unprintable(text, source, fixable)
+    refuse_aliases(text, source)
+    path = _cache_path(text, cache_dir)
+    if path is not None:
+        try:
+            return marshal.loads(path.read_bytes())
+        except (OSError, EOFError, ValueError, TypeError):
+            pass  # no entry yet (or a torn one): parse
+    try:
+        data = _run(_DataLoader, text, source, lambda ld: ld.get_single_data())
+    except DuplicateKey:
+        key_lines(text, source)  # raises at the duplicate's line
+        # None there: a `<<` merge, whose overrides are not duplicates.
+        data = _run(Loader, text, source, lambda ld: ld.get_single_data())
+    if path is not None:
+        _cache_store(path, data)
+    return data
+
+
+def _cache_path(text: str, cache_dir: Path | None) -> Path | None:
+    if cache_dir is None or len(text) < CACHE_MIN_BYTES:
+        return None
+    digest = hashlib.sha256(f"{_CACHE_FORMAT}\n".encode() + text.encode("utf-8", "surrogatepass")).hexdigest()
+    return cache_dir / f"{digest}.marshal"
+
+
+def _cache_store(path: Path, data: Any) -> None:
+    """Keep `data` for the same text's next load (atomic; the CACHE_KEEP newest entries stay). Best effort:
+    data marshal cannot hold (a YAML date) or a full disk only costs the next load its parse."""
+    try:
+        blob = marshal.dumps(data)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+        old = sorted(path.parent.glob("*.marshal"), key=lambda p: p.stat().st_mtime, reverse=True)[CACHE_KEEP:]
+        for p in old:
+            p.unlink(missing_ok=True)
+    except (OSError, ValueError):
+        pass
+
+
+def key_lines(text: str, source: str) -> Lines:
+    """The second pass: every key path (as strings; list items by index) to the 1-based line of its key.
+
+    Raises:
+        InventoryError: a duplicate key (both lines named), or what load_data raises.
+    """
+    node = _run(Loader, text, source, lambda ld: ld.get_single_node())
+    lines: Lines = {}
+
+    def walk(n, path: tuple[str, ...]) -> None:
+        if isinstance(n, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in n.value:
+                key = str(k.value)
+                line = k.start_mark.line + 1
+                if key in seen:
+                    dotted = ".".join((*path, key))
+                    raise InventoryError(f"{source}:{line}: {dotted}: duplicate key (first at line {seen[key]})",
+                                         fix="remove one of the two")
+                seen[key] = line
+                lines[(*path, key)] = line
+                walk(v, (*path, key))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                lines[(*path, str(i))] = v.start_mark.line + 1
+                walk(v, (*path, str(i)))
+
+    if node is not None:
+        lines[()] = node.start_mark.line + 1
+        walk(node, ())
+    return lines
+
+
+def line_for(lines: Lines, path: Iterable[str]) -> int | None:
+    """Line of the deepest prefix of `path` that exists in the file (a missing key: its parent's line)."""
+    path = list(path)
+    for n in range(len(path), -1, -1):
+        line = lines.get(tuple(path[:n]))
+        if line is not None:
+            return line
+    return None
+
+
+def place(errors: list[tuple[tuple[str, ...], str]], lines: Lines, source: str) -> list[str]:
+    """`FILE:LINE: key.path: message` for each (path, message), in the order given."""
+    out = []
+    for path, msg in errors:
+        line = line_for(lines, path)
+        out.append(f"{source}:{line}: {'.'.join(path)}: {msg}" if line else f"{source}: {'.'.join(path)}: {msg}")
+    return out
+
+
+# ------------------------------------------------------------------------------------ pydantic errors
+
+
+def _data_path(raw: Any, loc: tuple) -> tuple[list[str], list[str]]:
+    """Split a pydantic loc into the path in the YAML data and the discriminator tags it passed through.
+
+    Pydantic inserts the union tag (e.g. 'container') into locs of discriminated unions; the YAML has no
+    such key, so it is dropped from the path shown to the user.
+    """
+    path: list[str] = []
+    tags: list[str] = []
+    cur = raw
+    for comp in loc:
+        if isinstance(cur, dict) and comp in cur:
+            cur = cur[comp]
+            path.append(str(comp))
+        elif isinstance(cur, dict) and isinstance(comp, str) and cur.get("kind") == comp:
+            tags.append(comp)
+        elif isinstance(cur, list) and isinstance(comp, int) and 0 <= comp < len(cur):
+            cur = cur[comp]
+            path.append(str(comp))
+        else:
+            path.append(str(comp))
+            cur = None
+    return path, tags
+
+
+def _model_at(root: type[BaseModel], path: list[str], tags: list[str]):
+    """The pydantic model class that owns the last key of `path` (for 'did you mean' on unknown keys)."""
+    tp: Any = root
+    tag_iter = iter(tags)
+    for comp in path[:-1]:
+        tp = _unwrap(tp, tag_iter)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = tp.model_fields.get(comp)
+            if field is None:
+                return None
+            tp = field.annotation
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        elif typing.get_origin(tp) is list:
+            tp = typing.get_args(tp)[0]
+        else:
+            return None
+    tp = _unwrap(tp, tag_iter)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _unwrap(tp: Any, tags) -> Any:
+    """Strip Annotated/Optional; pick the union member whose `kind` literal is the next tag."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is Annotated:
+            tp = typing.get_args(tp)[0]
+            continue
+        if origin is Union or str(origin) == "types.UnionType":
+            members = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(members) == 1:
+                tp = members[0]
+                continue
+            tag = next(tags, None)
+            for m in members:
+                kind = getattr(m, "model_fields", {}).get("kind")
+                if kind is not None and tag in typing.get_args(kind.annotation):
+                    tp = m
+                    break
+            else:
+                return None
+            continue
+        return tp
+
+
+def _message(err: dict, path: list[str], tags: list[str], root: type[BaseModel]) -> tuple[str | None, str]:
+    """(the dotted path when it differs from `path`'s, the message) of one pydantic error."""
+    etype = err["type"]
+    if etype == "extra_forbidden":
+        model = _model_at(root, path, tags)
+        fields = [f for f in (model.model_fields if model else {})]
+        close = suggest(path[-1], fields) if path else None
+        msg = "unknown key" + (f"; did you mean {close!r}?" if close else "")
+        if fields and not close:
+            msg += f" (allowed: {', '.join(fields)})"
+        return None, msg
+    if path and path[-1] == "[key]":
+        return ".".join(path[:-1]), f"a name must be text, got {err.get('input')!r}; quote it (\"{err.get('input')}\")"
+    if etype == "missing":
+        return None, "required key is missing"
+    if etype == "union_tag_invalid":
+        ctx = err.get("ctx", {})
+        return None, f"unknown kind {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
+    if etype == "union_tag_not_found":
+        return None, "missing `kind:` (what sort of entry this is)"
+    msg = err["msg"]
+    if "input" in err and not isinstance(err["input"], (dict, list)):
+        msg += f" (got {err['input']!r})"
+    return None, msg
+
+
+def validation_errors(exc: ValidationError, raw: Any, lines: Lines, source: str,
+                      root: type[BaseModel]) -> list[str]:
+    """Every error of `exc` (pydantic's, validating `raw` as `root`) as `FILE:LINE: key.path: what`, by line."""
+    out = []
+    for err in exc.errors():
+        path, tags = _data_path(raw, tuple(err["loc"]))
+        if err["type"] == "union_tag_invalid":
+            path.append("kind")  # point at the `kind:` line itself
+        line = line_for(lines, path)
+        where = f"{source}:{line}" if line else source
+        dotted, msg = _message(err, path, tags, root)
+        out.append((line or 0, f"{where}: {dotted if dotted is not None else '.'.join(path) or '(top level)'}: {msg}"))
+    return [text for _, text in sorted(out, key=lambda item: item[0])]
+
+
+__all__ = ["CACHE_MIN_BYTES", "Lines", "Loader", "key_lines", "line_for", "load_data", "no_gc", "place", "refuse_aliases",
+           "refuse_unprintable", "suggest", "validation_errors"]
