@@ -206,6 +206,10 @@ def resume_source(req: LaunchRequest, emit) -> resume.ResumeSource | None:
     if src.step is not None:
         emit.progress("resume", f"continuing run {src.run_id} from its checkpoint at step {src.step}",
                       resumed_from=src.run_id, checkpoint_step=src.step)
+    elif src.data_stage:
+        emit.progress("resume", f"continuing run {src.run_id}, which ended in its data stage (no checkpoint): the "
+                      "data stage runs again, keeping the shards it finished; training starts at step 0",
+                      resumed_from=src.run_id, checkpoint_step=None)
     else:
         emit.progress("resume", f"continuing run {src.run_id} ({resume.RESUME_ENV}={src.run_dir})",
                       resumed_from=src.run_id)
@@ -357,7 +361,8 @@ def plan(req: LaunchRequest, emit) -> LaunchPlan:
     run_dir = runs.runs_root(req.workdir) / run_id
     dflash = req.kind == "dflash"
     config = run_config(req, run_dir, src) if dflash else None
-    resume_dir = None if src is None else (run_dir if dflash else src.run_dir)
+    # A run that ended in its data stage has nothing for the trainer to resume: it trains from step 0.
+    resume_dir = None if src is None or src.data_stage else (run_dir if dflash else src.run_dir)
     argv, extra = build_command(req, gpus, run_dir, config, resume_dir)
     # Across nodes the request's layout is this node's GPUs; on one node, the config's.
     warm_layout = (req.layout if req.node else (config or {}).get("layout")) or {}

@@ -13,11 +13,17 @@ trainer.launch --resume <new run dir>`) finds everything in place and the old ru
 
 A checkpoint is complete when its meta.json exists: trainer/checkpoint.py writes meta.json last, inside a
 temporary directory that is renamed into place. The trainer verifies sizes and hashes again on load.
+
+A dflash run that ended in its data stage (regeneration, before any training step: no checkpoint, no step
+record in metrics.jsonl) is resumable too: the new run runs the data stage again, which keeps every shard the
+old one finished (they are in the datasets root, keyed by content, not in the run directory), and training
+starts at step 0 (`ResumeSource.data_stage`: the trainer gets no --resume).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -45,6 +51,9 @@ class ResumeSource:
     """kind dflash: the old run's config.json."""
     checkpoints: list[tuple[int, Path]] = field(default_factory=list)
     """kind dflash: complete checkpoints, oldest first."""
+    data_stage: bool = False
+    """kind dflash: the run ended in its data stage, before training (no checkpoint): the new run does the
+    data stage again and trains from step 0."""
 
     @property
     def step(self) -> int | None:
@@ -102,7 +111,9 @@ def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str,
         raise AgentFailure("NothingToResume", f"run {run_id} has no readable config.json in {run_dir}",
                            fix="launch without --resume to start fresh", data={"run_id": run_id})
     src.checkpoints = complete_checkpoints(run_dir)
-    if not src.checkpoints and need_checkpoint:  # a node without drafters keeps none: it resumes from nothing
+    if not src.checkpoints and need_checkpoint and ended_in_data_stage(run_dir, src.config):
+        src.data_stage = True
+    elif not src.checkpoints and need_checkpoint:  # a node without drafters keeps none: it resumes from nothing
         raise AgentFailure(
             "NothingToResume",
             f"run {run_id} has no complete checkpoint under {run_dir / 'checkpoints'} (it ended before its first "
@@ -111,6 +122,27 @@ def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str,
             data={"run_id": run_id},
         )
     return src
+
+
+def ended_in_data_stage(run_dir: Path, config: dict) -> bool:
+    """Whether a dflash run ended before training started, in its data stage: its config regenerates its data
+    (runcommand.needs_data_stage's rule: data.regenerate, default true, and data.train_files) and its
+    metrics.jsonl has no training step record (the stage's own records, `"kind": "regen"`, carry no step)."""
+    data = config.get("data") or {}
+    if not (data.get("regenerate", True) and data.get("train_files")):
+        return False
+    try:
+        text = (run_dir / "metrics.jsonl").read_text(errors="replace")
+    except FileNotFoundError:
+        return True
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if isinstance(rec, dict) and "step" in rec:
+            return False
+    return True
 
 
 def layout_gpus(config: dict) -> list[int]:
