@@ -185,6 +185,9 @@ def lxc_config(base: Path, ctid: int, conf: dict[str, str]) -> str:
         lines.append(f"lxc.rootfs.path = dir:{d / 'rootfs'}")  # the overlay mount_rootfs made
     else:
         lines += ["lxc.rootfs.path = dir:/", f"lxc.init.cmd = {base / 'bin' / 'ctinit'}"]
+        # /dev/shm, which a stock container's systemd mounts and the reaper does not (POSIX semaphores:
+        # multiprocessing's queues and locks fail without it).
+        lines.append("lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,create=dir 0 0")
     binds = [(d / "tmp", "tmp"), (d / "sbin", "usr/local/sbin")]
     if spec is not None:
         binds += [(Path(src), dest.lstrip("/")) for src, dest in spec.get("mounts", [])]
