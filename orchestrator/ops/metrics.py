@@ -77,8 +77,8 @@ def _real_tau(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
 
 def metrics_of(inv, ref: str | None, *, target: str | None = None) -> MetricsSeries:
     """`dflashctl metrics`: the run `ref` (a run id, an experiment = its newest run, None = the newest run)
-    found as `logs` finds it (ops.logs.resolve); its target opened, read (fetch_metrics), closed."""
-    from orchestrator.ops.logs import resolve
+    found as `logs` finds it (ops.placement.resolve_first); its target opened, read (fetch_metrics), closed."""
+    from orchestrator.ops.placement import resolve_first as resolve
     from orchestrator.target import open_target
 
     target_name, run_id, experiment = resolve(inv, ref, target)

@@ -106,6 +106,17 @@ def resolve(inv, ref: str | None, target: str | None = None, *, kind: str = "run
     return RunPlacements(ref, None, [Placement(default)])
 
 
+def resolve_first(inv, ref: str | None, target: str | None = None) -> tuple[str, str | None, str | None]:
+    """(target name, run id or None, experiment or None) of the first placement `resolve` finds: for a verb
+    that reads one target's copy of a run (`metrics`).
+
+    Raises:
+        UserError, RunNotFound: as `resolve`.
+    """
+    where = resolve(inv, ref, target)
+    return where.placements[0].target, where.run_id, where.experiment
+
+
 def each(fn: Callable[[int], T], count: int) -> list[tuple[T | None, BaseException | None]]:
     """fn(0..count-1), in parallel threads when count > 1; (result, None) or (None, the exception) per index,
     in order: every placement's outcome is reported, none swallowed."""
