@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from orchestrator.agent import driver as nvdriver
 from orchestrator.agent.requests import PingRequest
 from orchestrator.errors import ConnectError, ContainerMissing, DflashError, HostKeyError, PctError
-from orchestrator.ops.venv import TMUX_INSTALL
+from orchestrator.ops.tmuxfix import TMUX_INSTALL
 from orchestrator.quoting import render
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"

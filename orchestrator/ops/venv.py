@@ -41,7 +41,8 @@ from orchestrator import assets
 from orchestrator.errors import AgentError, UserError
 from orchestrator.ops import carry, debs
 from orchestrator.ops.carry import CarriedWheel, UvBinary
-from orchestrator.ops.lock import LockFile, resolve_lock
+from orchestrator.ops.lockfile import LockFile, resolve_lock
+from orchestrator.ops.tmuxfix import tmux_fix
 
 SCRIPT_NAME = "rebuild_venv.sh"
 # A python request reaches `uv venv --python` and the one-line stamp: a version or a name, no spaces.
@@ -588,18 +589,6 @@ def _warning_fix(target, warning: dict) -> str | None:
     if warning.get("type") == "TmuxMissing":
         return tmux_fix(target)
     return None
-
-
-# Installs tmux on a Debian/Ubuntu target whose package lists may be empty (as the PVE templates ship).
-TMUX_INSTALL = ["sh", "-c", "apt-get update && apt-get install -y tmux"]
-
-
-def tmux_fix(target) -> str:
-    """The command that installs tmux in a container, runnable as printed on the workstation."""
-    from orchestrator.quoting import render
-
-    line = getattr(getattr(target, "transport", None), "command_line", None)  # PctTransport: ssh ... pct exec
-    return line(TMUX_INSTALL) if line is not None else render(TMUX_INSTALL)
 
 
 __all__ = ["AS_IS_KINDS", "FINGERPRINT", "STAMP", "UvProfile", "VenvReport", "Wheel", "as_profile", "bundle_wheel",
