@@ -131,21 +131,47 @@ def memory_cgroup_at(path: Path, version: int) -> MemoryCgroup | None:
     return MemoryCgroup(2, path, int(limit) if limit.isdigit() else None, _int_field(events, "oom_kill"))
 
 
-_PVE_VOLUME = re.compile(r"(?:vm|subvol|base)-(\d+)-disk-\d+")
+# pve-container's volume names: vm-CTID-disk-N (a raw image on directory storage, a Ceph or LVM volume),
+# subvol-CTID-disk-N (ZFS, directory subvolumes), base-CTID-disk-N (a template). Device-mapper doubles every
+# dash of an LVM name, so local-lvm's root shows as /dev/mapper/pve-vm--CTID--disk--N.
+_PVE_VOLUME = re.compile(r"(?:vm|subvol|base)(-{1,2})(\d+)\1disk\1\d+")
+# LXC's cgroup of a container when no cgroup namespace hides it: /lxc/CTID/... (lxc < 4) or lxc.payload.CTID.
+_LXC_CGROUP = re.compile(r"/lxc(?:\.payload)?[./](\d+)(?:[/.]|$)")
+# pve-container's hostname when the config sets none: "CT" + the CTID.
+_PVE_HOSTNAME = re.compile(r"(?i)ct(\d{3,9})")
 
 
-def container_id() -> str | None:
-    """This Proxmox container's id: DFLASHCTL_CTID when set, else read from the name of its root file
-    system's volume (pve-container names them vm-CTID-disk-N or subvol-CTID-disk-N), else None."""
-    if os.environ.get("DFLASHCTL_CTID", "").isdigit():
-        return os.environ["DFLASHCTL_CTID"]
-    for line in (_read(Path("/proc/self/mountinfo")) or "").splitlines():
+def container_id_from(env_ctid: str | None, mountinfo: str, cgroup: str, hostname: str, in_lxc: bool) -> str | None:
+    """The Proxmox CTID from what a process inside the container can read (pure), first found wins:
+    `env_ctid` (DFLASHCTL_CTID); the name of the root file system's volume in `mountinfo`; then, only inside an
+    LXC container (`in_lxc`), LXC's cgroup path in `cgroup` (/proc/self/cgroup) and Proxmox's default hostname
+    `CT<CTID>`."""
+    if env_ctid and env_ctid.isdigit():
+        return env_ctid
+    for line in mountinfo.splitlines():
         fields = line.split()
         if len(fields) > 4 and fields[4] == "/" and " - " in line:
             m = _PVE_VOLUME.search(line.split(" - ", 1)[1])
             if m:
-                return m.group(1)
-    return None
+                return m.group(2)
+    if not in_lxc:
+        return None
+    for line in cgroup.splitlines():
+        m = _LXC_CGROUP.search(line.split(":", 2)[-1])
+        if m:
+            return m.group(1)
+    m = _PVE_HOSTNAME.fullmatch(hostname.strip())
+    return m.group(1) if m else None
+
+
+def container_id() -> str | None:
+    """This Proxmox container's id (container_id_from over this process's view), or None when nothing tells.
+    An LXC container is told by PID 1's `container=lxc` (systemd's /run/systemd/container when that is not
+    readable)."""
+    environ = _read(Path("/proc/1/environ")) or ""
+    in_lxc = "container=lxc" in environ.split("\0") or (_read(Path("/run/systemd/container")) or "").strip() == "lxc"
+    return container_id_from(os.environ.get("DFLASHCTL_CTID"), _read(Path("/proc/self/mountinfo")) or "",
+                             _read(Path("/proc/self/cgroup")) or "", os.uname().nodename, in_lxc)
 
 
 def raise_memory_fix(limit_bytes: int | None, need_bytes: int | None = None) -> str:

@@ -165,3 +165,42 @@ def _dead_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()
     return p.pid
+
+
+@pytest.mark.parametrize(("mountinfo", "cgroup", "hostname", "in_lxc", "want"), [
+    # local-lvm (LVM-thin, Proxmox's default storage): device-mapper doubles the dashes of vm-200-disk-0.
+    ("215 106 253:7 / / rw,relatime shared:134 - ext4 /dev/mapper/pve-vm--200--disk--0 rw", "0::/", "box", True,
+     "200"),
+    ("30 1 0:26 / / rw shared:1 - zfs rpool/data/subvol-201-disk-0 rw,xattr", "0::/", "box", True, "201"),
+    ("30 1 7:0 / / rw - ext4 /dev/loop0 rw", "4:memory:/lxc/202/ns\n0::/lxc/202/ns", "box", True, "202"),
+    ("30 1 7:0 / / rw - ext4 /dev/loop0 rw", "0::/lxc.payload.203/init.scope", "box", True, "203"),
+    ("30 1 7:0 / / rw - ext4 /dev/rbd0 rw", "0::/", "CT204", True, "204"),  # pve-container's default hostname
+    ("30 1 7:0 / / rw - ext4 /dev/rbd0 rw", "0::/", "CT204", False, None),  # not in a container: not a CTID
+    ("30 1 7:0 / / rw - ext4 /dev/rbd0 rw", "0::/", "gpu-box-1", True, None),
+])
+def test_the_ctid_is_read_from_what_the_container_shows(mountinfo, cgroup, hostname, in_lxc, want):
+    assert faults.container_id_from(None, mountinfo, cgroup, hostname, in_lxc) == want
+    assert faults.container_id_from("77", mountinfo, cgroup, hostname, in_lxc) == "77"  # DFLASHCTL_CTID first
+
+
+def test_the_oom_fix_names_the_ctid_inside_a_real_lxc_container(fake_pve):
+    """In an unprivileged LXC container whose root is no Proxmox volume and whose environment has no
+    DFLASHCTL_CTID, the OOM fix still names its CTID: PID 1 says `container=lxc`, the hostname is Proxmox's
+    default `CT<CTID>`."""
+    from fakehost import STOCK
+
+    ct = fake_pve.create_container(353, gpus=0, image=STOCK, hostname="CT353")
+    here = fake_pve.storage() / f"faults-{os.getpid()}"
+    try:
+        here.mkdir(exist_ok=True)
+        (here / "faults.py").write_text((REPO / "trainer" / "faults.py").read_text())
+        res = ct.exec(["env", "-u", "DFLASHCTL_CTID", "python3", "-c",
+                       f"import sys; sys.path.insert(0, {str(here)!r}); import faults; "
+                       "print(faults.raise_memory_fix(512 << 20))"])
+        assert res.returncode == 0, res.stderr.decode()
+        assert res.stdout.decode().strip() == "on the Proxmox host: pct set 353 --memory 1024"
+    finally:
+        fake_pve.remove_container(353)
+        import shutil
+
+        shutil.rmtree(here, ignore_errors=True)
