@@ -162,6 +162,18 @@ def _start_run(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | 
     runs.write_bytes(run_dir / ENV_FILE, _env_blob({k: v for k, v in env.items() if k not in secret}), 0o600)
     if secret:
         runs.write_bytes(run_dir / SECRET_FILE, _env_blob({k: env[k] for k in sorted(secret)}), 0o600)
+    try:
+        _start_session(plan, req, src, fingerprint, seen, env, run_dir, emit)
+    except BaseException:
+        # No session, so no start_training.sh to read the secrets and delete their file: it goes now.
+        (run_dir / SECRET_FILE).unlink(missing_ok=True)
+        raise
+    return plan.answer(dry_run=False, fingerprint=fingerprint, gpus_seen=seen)
+
+
+def _start_session(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | None, fingerprint: dict,
+                   seen: list[dict], env: dict[str, str], run_dir: Path, emit) -> None:
+    """run.json, the start of the log, the warm-up, then the tmux session that runs start_training.sh."""
     mark = ownlines.new_mark()
     runs.write_json(run_dir / "run.json", _run_info(plan, req, src, fingerprint, seen, mark))
     _start_log(run_dir, mark, plan.argv)
@@ -171,7 +183,6 @@ def _start_run(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | 
         warm_up(run_dir, plan.warmup, plan.warmup_skipped, plan.config, env, emit, device=req.warmup_device)
     s = tmuxctl.new_session(plan.session, plan.command_line, str(run_dir), plan.run_id)
     emit.progress("tmux", f"session {plan.session} started (pane pid {s['pane_pid']})", session=plan.session)
-    return plan.answer(dry_run=False, fingerprint=fingerprint, gpus_seen=seen)
 
 
 def _run_info(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | None, fingerprint: dict,
