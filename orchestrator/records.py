@@ -72,9 +72,16 @@ def record_stopped(run_id: str, stopped: dict) -> Path:
     return append_record({"run_id": run_id, "event": "stopped", "stopped": stopped})
 
 
+def record_dataset(run_id: str, dataset: dict) -> Path:
+    """Note the regenerated dataset a recorded run trained on ({key, path, key_inputs}, what its data stage
+    recorded in the run's metrics.jsonl): one more line, `{"run_id", "event": "dataset", "dataset"}`, folded into
+    the run's launch record like a stop."""
+    return append_record({"run_id": run_id, "event": "dataset", "dataset": dataset})
+
+
 def load_records(experiment: str | None = None) -> list[dict]:
-    """Every launch record, oldest first, with later event lines of its run folded in (`stopped`); lines
-    that do not parse (a torn write after a crash) are skipped."""
+    """Every launch record, oldest first, with later event lines of its run folded in (`stopped`, `dataset`);
+    lines that do not parse (a torn write after a crash) are skipped."""
     path = records_path()
     try:
         text = path.read_text()
@@ -89,9 +96,9 @@ def load_records(experiment: str | None = None) -> list[dict]:
             continue
         if not isinstance(rec, dict) or not rec.get("run_id"):
             continue
-        if rec.get("event") == "stopped":
-            if rec["run_id"] in latest:  # a stop of a run launched elsewhere is not ours to list
-                latest[rec["run_id"]]["stopped"] = rec.get("stopped")
+        if rec.get("event") in ("stopped", "dataset"):
+            if rec["run_id"] in latest:  # an event of a run launched elsewhere is not ours to list
+                latest[rec["run_id"]][rec["event"]] = rec.get(rec["event"])
             continue
         latest[rec["run_id"]] = rec
         out.append(rec)
@@ -250,10 +257,15 @@ class RunDiff:
     config: list[tuple[str, Any, Any]] = field(default_factory=list)
     bundle: tuple[Any, Any] | None = None
     environment: list[tuple[str, Any, Any]] = field(default_factory=list)
+    dataset: list[tuple[str, Any, Any]] = field(default_factory=list)
+    """The regenerated dataset: `key`, then each key input that differs (`inputs`, `target.weights.NAME`,
+    `max_new_tokens`, `engine_version` ...): why two runs trained on different data."""
+    notes: list[str] = field(default_factory=list)
+    """What could not be compared (a run's dataset not known: its target not reachable)."""
 
     @property
     def same(self) -> bool:
-        return not (self.packages or self.config or self.bundle or self.environment)
+        return not (self.packages or self.config or self.bundle or self.environment or self.dataset)
 
     def to_dict(self) -> dict:
         return {
@@ -262,6 +274,8 @@ class RunDiff:
             "config": [list(c) for c in self.config],
             "bundle": list(self.bundle) if self.bundle else None,
             "environment": [list(c) for c in self.environment],
+            "dataset": [list(c) for c in self.dataset],
+            "notes": list(self.notes),
         }
 
 
@@ -291,7 +305,21 @@ def diff_records(a: dict, b: dict) -> RunDiff:
     env_a["target"], env_b["target"] = a.get("target"), b.get("target")
     d.environment = _changes(env_a, env_b)
     _diff_nodes(d, a.get("nodes") or [], b.get("nodes") or [])
+    d.dataset = _dataset_changes(a.get("dataset"), b.get("dataset"))
     return d
+
+
+def _dataset_changes(a: dict | None, b: dict | None) -> list[tuple[str, Any, Any]]:
+    """The dataset key first, then each of its inputs that differs (dotted); the key alone when only one run
+    has a known dataset (the other has no data stage, or its dataset could not be read)."""
+    if not a and not b:
+        return []
+    if not a or not b:
+        return [("key", (a or {}).get("key"), (b or {}).get("key"))]
+    if a.get("key") == b.get("key"):
+        return []
+    return [("key", a.get("key"), b.get("key")),
+            *_changes(flatten(a.get("key_inputs") or {}), flatten(b.get("key_inputs") or {}))]
 
 
 def _diff_nodes(d: RunDiff, na: list[dict], nb: list[dict]) -> None:

@@ -39,6 +39,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -237,6 +238,10 @@ def run_stage(cfg: TrainConfig, target_dir: str | Path, train_files: Sequence[st
     lock = _Lock(out)
     out.mkdir(exist_ok=True)
     metrics = None
+    if run_dir is not None:
+        from trainer.metrics import MetricsWriter
+
+        metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", tensorboard=False)
     try:
         m = read_manifest(out) if (out / MANIFEST).is_file() else {}
         # Complete, unless the user removed a bad shard with its record (the fix the errors print): then resume.
@@ -244,6 +249,7 @@ def run_stage(cfg: TrainConfig, target_dir: str | Path, train_files: Sequence[st
             files = dataset_files(out)
             log(f"regen reused=1 key={key[:24]} conversations={m['conversations']} regenerated=0 shards={len(files)} "
                 f"path={out}")
+            _record_dataset(metrics, key, out, inputs)
             return out
         report = SkipReport()
         convs = read_conversations(train_files, report)
@@ -265,10 +271,6 @@ def run_stage(cfg: TrainConfig, target_dir: str | Path, train_files: Sequence[st
             if r is not None:
                 records[i] = r
         todo = [i for i in range(len(shards)) if i not in records]
-        if run_dir is not None:
-            from trainer.metrics import MetricsWriter
-
-            metrics = MetricsWriter(Path(run_dir) / "metrics.jsonl", tensorboard=False)
         progress = Progress(len(convs), len(shards), log=log, metrics=metrics)
         for r in records.values():
             progress.conversations += r["conversations"]
@@ -291,11 +293,20 @@ def run_stage(cfg: TrainConfig, target_dir: str | Path, train_files: Sequence[st
         _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
         log(f"regen done key={key[:24]} conversations={len(convs)} regenerated={progress.session_conversations} "
             f"shards={len(shards)} path={out}")
+        _record_dataset(metrics, key, out, inputs)
         return out
     finally:
         lock.close()
         if metrics is not None:
             metrics.close()
+
+
+def _record_dataset(metrics: Any, key: str, out: Path, inputs: dict[str, Any]) -> None:
+    """The run's record of the dataset it trains on (`dflashctl runs diff` shows it): one `"kind": "dataset"`
+    line in metrics.jsonl with the key and what it hashes, once the dataset is complete."""
+    if metrics is not None:
+        metrics.write({"kind": "dataset", "time": time.time(), "dataset_key": key, "dataset_path": str(out),
+                       "dataset_key_inputs": inputs})
 
 
 def regenerated_files(cfg: TrainConfig, target_dir: str | Path, train_files: Sequence[str], root: str | Path,

@@ -25,23 +25,28 @@ def runs_list(
 
 
 def runs_diff(
+    ctx: typer.Context,
     a: str = typer.Argument(..., help="Run A (id, unique prefix, or experiment = its newest run)."),
     b: str = typer.Argument(..., help="Run B."),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
-    """What differs between two runs: packages, config keys, bundle hash, GPU/driver."""
+    """What differs between two runs: packages, config keys, bundle hash, GPU/driver, regenerated dataset."""
+    from orchestrator.commands import options
     from orchestrator.ops.runs import diff
     from orchestrator.render import console, print_json, table
 
-    d = diff(a, b)
+    d = diff(a, b, inventory=lambda: options.load(ctx))
     if as_json:
         print_json(d.to_dict())
         return
     out = console()
+    for note in d.notes:
+        console(stderr=True).print(f"note: {note}")
     if d.same:
-        out.print(f"{d.a} and {d.b}: no differences in packages, config, bundle or GPUs")
+        out.print(f"{d.a} and {d.b}: no differences in packages, config, bundle, GPUs or dataset")
         return
-    for title, rows in (("packages", d.packages), ("config", d.config), ("GPU / driver / interpreter", d.environment)):
+    for title, rows in (("packages", d.packages), ("config", d.config), ("GPU / driver / interpreter", d.environment),
+                        ("dataset (regenerated; key and what it hashes)", d.dataset)):
         if rows:
             out.print(table(title, ["key", d.a, d.b], rows))
     if d.bundle:
