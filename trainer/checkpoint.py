@@ -10,6 +10,12 @@ into place (rename is atomic on one filesystem) and the parent fsynced. So a SIG
 either the old set of checkpoints or the old set plus one complete new one, never a half one under a final
 name. Resume still verifies meta.json (size and hash) and that the file loads, and skips with a warning
 anything that does not: a disk can lie, and a user can copy a directory half-way.
+
+The run's policy lives here too (`RunCheckpoints`): when the loop saves (every `save_every` steps before the
+last; the last step's checkpoint is written with the export), how many are kept (`keep_checkpoints`), what a
+checkpoint holds (one format for every layout: the drafter module's state, never DDP's, AdamW's state, the
+step, G = batches per step, the RNG states and the precision) and which one a run resumes from (the newest
+complete one, the same step on every rank, of this format and this G).
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
+
+from trainer.config import TrainConfig
+from trainer.precision import Precision
+from trainer.setup import TrainError
 
 _NAME = re.compile(r"^step_(\d{8})$")
 
@@ -237,3 +247,98 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- the run's policy: when to save, how many to keep, what to resume from ---------------------------------
+CHECKPOINT_FORMAT = 2
+"""Version of the checkpoint contents a run writes (others are refused with a reason)."""
+
+
+class Trainable(Protocol):
+    """What a checkpoint holds of the drafter being trained (trainer.loop.Drafter)."""
+
+    module: torch.nn.Module
+    opt: torch.optim.Optimizer
+    precision: Precision
+
+
+class RunCheckpoints:
+    """A run's checkpoints: `<output_dir>/checkpoints`, saved every `save_every` steps, the newest
+    `keep_checkpoints` kept, resumed only under the same batches per step.
+
+    Args:
+        cfg: the run's config (output_dir, save_every, keep_checkpoints).
+        per_step: G, the global batches per optimizer step of this run.
+    """
+
+    def __init__(self, cfg: TrainConfig, per_step: int):
+        self.root = Path(cfg.output_dir) / "checkpoints"
+        self.save_every = cfg.save_every
+        self.per_step = per_step
+        self.manager = CheckpointManager(self.root, keep=cfg.keep_checkpoints)
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether the loop saves after `step` steps: every `save_every`, never at the last step (the run's end
+        saves that one, beside the export)."""
+        return step % self.save_every == 0 and step < total_steps
+
+    def save(self, drafter: Trainable, step: int, log: Callable[[str], None]) -> Path:
+        """Save the drafter's training state after `step` steps; older checkpoints beyond keep are pruned."""
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "model": drafter.module.state_dict(),
+            "optimizer": drafter.opt.state_dict(),
+            "rng": capture_rng_state(),
+            "data": {"batches_per_step": self.per_step},
+            "step": step,
+            "precision": drafter.precision.name,  # the weights above are its master weights, in its dtype
+        }
+        path = self.manager.save(step, state)
+        log(f"[ckpt] step {step} -> {path}")
+        return path
+
+    def resume(self, drafter: Trainable, agree_step: Callable[[int], int], log: Callable[[str], None]) -> int:
+        """Load the newest complete checkpoint (if any) into the drafter and restore the RNG states.
+
+        Args:
+            agree_step: every rank's call returns the main drafter rank's step (trainer.distributed.World).
+
+        Returns:
+            The step to continue from (0: nothing to resume).
+
+        Raises:
+            TrainError: the ranks see different checkpoints, or one of another format or batches per step.
+        """
+        resumed = self.manager.load_latest(map_location="cpu")
+        step = agree_step(resumed[0] if resumed else 0)
+        if not step:
+            return 0
+        out = self.root.parent
+        if resumed is None or resumed[0] != step:
+            raise TrainError(f"ranks disagree on the checkpoint to resume from (main: step {step}); is {out} shared?")
+        state = resumed[1]
+        where = f"checkpoint step {step} in {self.root}"
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise TrainError(f"{where} was written by an older trainer (format {state.get('format', 1)}, this one "
+                             f"reads {CHECKPOINT_FORMAT}); start a fresh run")
+        got = state["data"]["batches_per_step"]
+        if got != self.per_step:
+            raise TrainError(f"{where} was trained with {got} batch(es) per step, this config has {self.per_step}: "
+                             f"the global batches would not line up; set data.batches_per_step: {got}")
+        load_weights(drafter, state, where, log)
+        restore_rng_state(state["rng"])
+        log(f"resumed from step {step}")
+        return step
+
+
+def load_weights(drafter: Trainable, state: dict, where: str, log: Callable[[str], None]) -> None:
+    """The checkpoint's weights and AdamW state into the drafter, cast to its master dtype: a checkpoint of
+    any precision resumes under any other (bf16 -> float32 is exact; float32 -> bf16 rounds, as bf16-true
+    training itself does)."""
+    saved = state.get("precision")
+    drafter.module.load_state_dict(state["model"])  # copies into the existing parameters: their dtype stays
+    drafter.opt.load_state_dict(state["optimizer"])  # torch casts floating state to each parameter's dtype
+    now = drafter.precision
+    if saved != now.name:
+        log(f"[precision] {where} was trained in {saved or 'a precision it does not record'}; continuing in "
+            f"{now.name}: master weights and AdamW state now {str(now.master_dtype).removeprefix('torch.')}")

@@ -19,8 +19,7 @@ anchors from a generator seeded by (seed, batch index). So the loss at a step de
 layout: any layout trains the same sequence of updates, and a checkpoint of one layout resumes under another.
 
 Only the main drafter rank (the first) logs metrics, saves checkpoints, evaluates τ and exports.
-Checkpoints (one format for every layout): the drafter module's state (never DDP's), AdamW's state, the step,
-G and the RNG states; resume takes the newest complete one and every rank agrees on its step.
+Checkpoints (when, how many, what they hold, which one a run resumes from): trainer.checkpoint.RunCheckpoints.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from trainer.checkpoint import RunCheckpoints
 from trainer.config import OptimConfig, TrainConfig
 from trainer.data import DataError, build_step, plan_epoch, target_features
 from trainer.distributed import BatchReport, FeatureSpec, PendingBatch, World, send_batch, talking_to, wait_sent
@@ -49,9 +48,6 @@ from trainer.objective import PackedBatch, dflash_loss
 from trainer.precision import Precision, resolve_precision
 from trainer.setup import Assets, TrainError, load_assets, load_target, seed_everything, write_json
 from trainer.stats import MEM_KEYS, StepStats
-
-CHECKPOINT_FORMAT = 2
-"""Version of the checkpoint contents written by this loop (refuse others with a reason)."""
 
 Log = Callable[[str], None]
 
@@ -312,66 +308,6 @@ def check_servable_export(cfg: TrainConfig, assets: Assets, drafter: Drafter, wo
     log(f"[export-check] note: {text}")
 
 
-def save_checkpoint(ckpts: CheckpointManager, drafter: Drafter, step: int, per_step: int, log: Log) -> None:
-    state = {
-        "format": CHECKPOINT_FORMAT,
-        "model": drafter.module.state_dict(),
-        "optimizer": drafter.opt.state_dict(),
-        "rng": capture_rng_state(),
-        "data": {"batches_per_step": per_step},
-        "step": step,
-        "precision": drafter.precision.name,  # the weights above are its master weights, in its dtype
-    }
-    log(f"[ckpt] step {step} -> {ckpts.save(step, state)}")
-
-
-def resume(cfg: TrainConfig, world: World, drafter: Drafter, per_step: int, log: Log) -> tuple[int, bool]:
-    """Load the newest complete checkpoint (if any) into the drafter; every rank agrees on its step.
-
-    Returns:
-        (step to continue from, whether a checkpoint was loaded).
-
-    Raises:
-        TrainError: the ranks see different checkpoints, or one of another format or batches per step.
-    """
-    out = Path(cfg.output_dir)
-    ckpts = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
-    resumed = ckpts.load_latest(map_location="cpu")
-    step = world.agree_step(resumed[0] if resumed else 0)
-    if not step:
-        return 0, False
-    if resumed is None or resumed[0] != step:
-        raise TrainError(f"ranks disagree on the checkpoint to resume from (main: step {step}); is {out} shared?")
-    state = resumed[1]
-    where = f"checkpoint step {step} in {out / 'checkpoints'}"
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise TrainError(f"{where} was written by an older trainer (format {state.get('format', 1)}, this one reads "
-                         f"{CHECKPOINT_FORMAT}); start a fresh run")
-    got = state["data"]["batches_per_step"]
-    if got != per_step:
-        raise TrainError(f"{where} was trained with {got} batch(es) per step, this config has {per_step}: the global "
-                         f"batches would not line up; set data.batches_per_step: {got}")
-    load_weights(drafter, state, where, log)
-    restore_rng_state(state["rng"])
-    if world.is_main:
-        rewind_metrics(out / "metrics.jsonl", step)  # lines logged after this checkpoint repeat: drop them
-    log(f"resumed from step {step}")
-    return step, True
-
-
-def load_weights(drafter: Drafter, state: dict, where: str, log: Log) -> None:
-    """The checkpoint's weights and AdamW state into the drafter, cast to its master dtype: a checkpoint of
-    any precision resumes under any other (bf16 -> float32 is exact; float32 -> bf16 rounds, as bf16-true
-    training itself does)."""
-    saved = state.get("precision")
-    drafter.module.load_state_dict(state["model"])  # copies into the existing parameters: their dtype stays
-    drafter.opt.load_state_dict(state["optimizer"])  # torch casts floating state to each parameter's dtype
-    now = drafter.precision
-    if saved != now.name:
-        log(f"[precision] {where} was trained in {saved or 'a precision it does not record'}; continuing in "
-            f"{now.name}: master weights and AdamW state now {str(now.master_dtype).removeprefix('torch.')}")
-
-
 # -- evaluation (main drafter rank) -----------------------------------------------------------------------
 class Evaluation:
     """τ before, during and after training, through trainer.evaluate.periodic_eval (every mode of
@@ -448,10 +384,10 @@ class _Run:
     schedule: Schedule
     drafter: Drafter
     features: Any
+    checkpoints: RunCheckpoints
     log: Log
     metrics: MetricsWriter | None = None
     evaluation: Evaluation | None = None
-    ckpts: CheckpointManager | None = None
     grad_norm: float = 0.0
     recompiles: int = 0
 
@@ -526,8 +462,8 @@ def train_steps(run: _Run, step: int) -> int:
         if step % cfg.log_every == 0 or step == plan.steps:
             log_step(run, step, lr, stats, time.perf_counter() - t_mark, t_start, watch.recompiles)
             stats, t_mark = stats.fresh(), time.perf_counter()
-        if world.is_main and step % cfg.save_every == 0 and step < plan.steps:
-            save_checkpoint(run.ckpts, run.drafter, step, plan.per_step, run.log)
+        if world.is_main and run.checkpoints.due(step, plan.steps):
+            run.checkpoints.save(run.drafter, step, run.log)
             if cfg.evaluation.export_check:
                 check_export(run.drafter.module, run.assets.target, cfg.output_dir, step, log=run.log)
         if world.is_main and cfg.eval_every and step % cfg.eval_every == 0 and step < plan.steps:
@@ -544,7 +480,7 @@ def _finish(run: _Run, step: int) -> TrainResult:
     export_dir = out / "export"
     if not run.world.is_main:
         return TrainResult(step, None, None, export_dir, out)
-    save_checkpoint(run.ckpts, run.drafter, step, run.plan.per_step, run.log)
+    run.checkpoints.save(run.drafter, step, run.log)
     export_drafter(run.drafter.module, run.assets.target, export_dir)
     run.log(f"[export] {export_dir}")
     if run.cfg.evaluation.export_check:
@@ -580,12 +516,15 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
     schedule = Schedule(layout, cfg.batches_per_step)
     plan = make_plan(cfg, assets.samples.lengths, schedule.per_step)
     drafter = build_drafter(cfg, assets, world, log)
-    step, resumed = resume(cfg, world, drafter, schedule.per_step, log)
+    checkpoints = RunCheckpoints(cfg, schedule.per_step)
+    step = checkpoints.resume(drafter, world.agree_step, log)
+    if step and world.is_main:
+        rewind_metrics(out / "metrics.jsonl", step)  # lines logged after this checkpoint repeat: drop them
     if layout.colocated:
         features = LocalFeatures(cfg, assets, plan, schedule)
     else:
         features = RemoteFeatures(world, schedule, feature_spec(cfg, assets, world.device), plan.steps)
-    run = _Run(cfg, world, assets, plan, schedule, drafter, features, log)
+    run = _Run(cfg, world, assets, plan, schedule, drafter, features, checkpoints, log)
     log(f"drafter rank {world.rank} (pid {os.getpid()}): {sum(p.numel() for p in drafter.module.parameters()) / 1e6:.2f}M params, "
         f"backend {drafter.module.backend}, compiled forward {drafter.compiled}, precision {drafter.precision.name}; {plan.steps} steps x "
         f"{schedule.per_step} batch(es) of {cfg.rows_per_step} rows x {cfg.row_len} ({schedule.per_drafter} on this rank)")
@@ -596,8 +535,7 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
         if cfg.evaluation.export_check:
             check_export(drafter.module, assets.target, out, step, log=log)
         run.evaluation = Evaluation(cfg, assets, run.metrics, log)
-        run.ckpts = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
-        if not resumed or not (out / "eval_before.json").exists():
+        if not step or not (out / "eval_before.json").exists():
             run.evaluation.run(drafter.module, step, "before")
     step = train_steps(run, step)
     return _finish(run, step)

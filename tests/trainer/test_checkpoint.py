@@ -250,3 +250,92 @@ def test_what_a_save_leaves_and_the_warnings_resume_prints(tmp_path, capsys):
     assert "state.pt does not load (UnpicklingError: " in capsys.readouterr().err
     shutil.rmtree(root)
     assert m.load_latest() is None and m.list_complete() == []
+
+
+# -- the run's policy (trainer.checkpoint.RunCheckpoints) ----------------------------------------------------
+class _Drafter:
+    """What a checkpoint holds of a drafter: a module, its AdamW and the precision."""
+
+    def __init__(self, seed: int, precision: str = "fp32"):
+        from trainer.precision import Precision
+
+        torch.manual_seed(seed)
+        self.module = torch.nn.Linear(3, 2)
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=0.1)
+        self.precision = Precision(precision, "cpu")
+
+    def train_once(self) -> None:
+        self.module(torch.ones(1, 3)).sum().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def _policy(tmp_path, per_step: int = 1, **cfg):
+    from trainer.checkpoint import RunCheckpoints
+    from trainer.config import parse_config
+
+    return RunCheckpoints(parse_config({"output_dir": str(tmp_path), **cfg}), per_step)
+
+
+def _alone(step: int) -> int:
+    return step  # a world of one agrees with itself
+
+
+def test_the_loop_saves_every_save_every_steps_but_never_at_the_last():
+    from trainer.checkpoint import RunCheckpoints
+
+    policy = object.__new__(RunCheckpoints)
+    policy.save_every = 3
+    assert [s for s in range(1, 11) if policy.due(s, 9)] == [3, 6]
+    assert [s for s in range(1, 11) if policy.due(s, 10)] == [3, 6, 9]
+
+
+def test_a_run_resumes_its_newest_checkpoint_weights_optimizer_and_rng_and_keeps_the_newest_k(tmp_path):
+    policy = _policy(tmp_path, per_step=2, save_every=1, keep_checkpoints=2)
+    assert policy.root == tmp_path / "checkpoints"
+    saved = _Drafter(0)
+    lines: list[str] = []
+    for step in (1, 2, 3):
+        saved.train_once()
+        assert policy.save(saved, step, lines.append) == tmp_path / "checkpoints" / f"step_{step:08d}"
+    assert lines[-1] == f"[ckpt] step 3 -> {tmp_path / 'checkpoints' / 'step_00000003'}"
+    assert [c.step for c in policy.manager.list_complete()] == [2, 3]
+    draws = torch.rand(4)
+    fresh, log = _Drafter(1), []
+    assert _policy(tmp_path, per_step=2).resume(fresh, _alone, log.append) == 3
+    assert torch.equal(torch.rand(4), draws)  # the RNG continues where the save left it
+    for a, b in zip(fresh.module.state_dict().values(), saved.module.state_dict().values()):
+        assert torch.equal(a, b)
+    assert fresh.opt.state_dict()["state"][0]["step"] == saved.opt.state_dict()["state"][0]["step"] == 3
+    assert log == ["resumed from step 3"]
+    assert _policy(tmp_path / "empty").resume(_Drafter(2), _alone, log.append) == 0
+
+
+def test_resume_refuses_another_g_another_format_and_disagreeing_ranks_naming_the_fix(tmp_path):
+    from trainer.setup import TrainError
+
+    _policy(tmp_path, per_step=1).save(_Drafter(0), 4, print)
+    where = f"checkpoint step 4 in {tmp_path / 'checkpoints'}"
+    with pytest.raises(TrainError) as e:
+        _policy(tmp_path, per_step=2).resume(_Drafter(0), _alone, print)
+    assert str(e.value) == (f"{where} was trained with 1 batch(es) per step, this config has 2: the global batches "
+                            "would not line up; set data.batches_per_step: 1")
+    with pytest.raises(TrainError) as e:
+        _policy(tmp_path).resume(_Drafter(0), lambda step: step + 2, print)  # the main rank sees step 6
+    assert str(e.value) == f"ranks disagree on the checkpoint to resume from (main: step 6); is {tmp_path} shared?"
+    old = CheckpointManager(tmp_path / "checkpoints")
+    state = old.load_latest()[1]
+    state["format"] = 1
+    old.save(5, state)
+    with pytest.raises(TrainError) as e:
+        _policy(tmp_path).resume(_Drafter(0), _alone, print)
+    assert str(e.value) == (f"checkpoint step 5 in {tmp_path / 'checkpoints'} was written by an older trainer "
+                            "(format 1, this one reads 2); start a fresh run")
+
+
+def test_a_checkpoint_of_another_precision_resumes_cast_and_says_so(tmp_path):
+    _policy(tmp_path).save(_Drafter(0, "bf16-true"), 1, print)
+    log: list[str] = []
+    assert _policy(tmp_path).resume(_Drafter(1), _alone, log.append) == 1
+    assert log[0] == (f"[precision] checkpoint step 1 in {tmp_path / 'checkpoints'} was trained in bf16-true; "
+                      "continuing in fp32: master weights and AdamW state now float32")
