@@ -257,6 +257,8 @@ class TailAnswer(Answer):
     """The run's exit.json, once it ended."""
     session_alive: bool | None = None
     offsets: dict = field(default_factory=dict)
+    disk_full: dict | None = None
+    """A run that ended failed or without exit.json, on a full file system: {path, free_bytes, total_bytes}."""
 
 
 @dataclass(frozen=True, kw_only=True)
