@@ -1,7 +1,7 @@
 """Mutation testing (mutmut, pinned in pyproject's `mutation` extra) over the modules whose mistakes cost a user
 the most; prints the score per module and fails (exit 1) when one falls below its floor.
 
-    python3 tests/mutation/run.py [--ci | --full] [--only MODULE ...] [--list-survivors]
+    python3 tests/mutation/run.py [--ci | --full] [--only MODULE ...] [--list-survivors] [--again]
 
 It lives beside the tests because it measures them: a mutant is a deliberate bug, and a score says how many
 of those bugs the fast unit tests catch. (bench/ holds speed targets; nothing here is timed against a goal.)
@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -66,8 +67,8 @@ MODULES: dict[str, dict] = {
     },
     "follow (client offsets)": {  # --full only: the follower's overlap trimming (~40 s here)
         "full": True,
-        "files": ["orchestrator/ops/logs.py"],
-        "functions": ["orchestrator.ops.logs.xǁ_Followerǁ_data__*"],
+        "files": ["orchestrator/ops/follow.py"],
+        "functions": ["orchestrator.ops.follow.xǁ_Followerǁ_data__*"],
         "tests": ["tests/orchestrator/ops/test_logs.py", "-k", "overlapping_chunk or feeds_the_real_matcher"],
     },
     "signatures (matcher)": {  # grouping a traceback into one event: chained exceptions, rank prefixes, winner
@@ -213,9 +214,10 @@ MODULES: dict[str, dict] = {
     "follow (reconnect policy)": {  # --full only: when logs --follow reconnects, gives up, refuses; its exit
         # codes. Each test follows a real run over real cuts (10 s to a minute on a loaded 2-core machine).
         "full": True,
-        "files": ["orchestrator/ops/logs.py"],
-        "functions": ["orchestrator.ops.logs.x_follow__*", "orchestrator.ops.logs.x__transient__*",
-                      "orchestrator.ops.logs.xǁBackoffǁdelay__*", "orchestrator.ops.logs.xǁFollowOutcomeǁexit_code__*"],
+        "files": ["orchestrator/ops/follow.py", "orchestrator/ops/followoutcome.py"],
+        "functions": ["orchestrator.ops.follow.x_follow__*", "orchestrator.ops.follow.x__transient__*",
+                      "orchestrator.ops.follow.xǁBackoffǁdelay__*",
+                      "orchestrator.ops.followoutcome.xǁFollowOutcomeǁexit_code__*"],
         "tests": ["tests/orchestrator/ops/test_follow_reconnect.py", "tests/orchestrator/ops/test_logs.py",
                   "-k", "backoff or lost_for_good or outages or host_key or stopped_during or outcome_json or no_such_run"],
     },
@@ -293,15 +295,33 @@ runpy.run_module("mutmut", run_name="__main__", alter_sys=True)
 """
 
 
-def _run_module(name: str, spec: dict, scratch: Path, log) -> tuple[Path, float]:
-    root = _prepare(name, spec, scratch)
+def _again(name: str, spec: dict, scratch: Path, equivalent: dict[str, str]) -> tuple[Path, list[str]]:
+    """--again: the module's last scratch copy with the checkout's tests copied in, and its survivors that are
+    not listed as equivalent (mutmut reruns the mutants it is given by name; new tests get their stats)."""
+    root = scratch / re.sub(r"[^a-z]+", "-", name).strip("-")
+    if not (root / "mutants").is_dir():
+        raise SystemExit(f"--again {name}: no earlier run in {root}; run it first: "
+                         f"python3 tests/mutation/run.py --only {shlex.quote(name)}")
+    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
+    shutil.rmtree(root / "tests")
+    shutil.copytree(REPO / "tests", root / "tests", ignore=ignore)
+    codes = _results(root, spec)
+    alive = sorted(k for k, v in codes.items() if v in SURVIVED)
+    diffs = _diffs(root, alive)
+    return root, [k for k in alive if key_of(k, diffs[k]) not in equivalent]
+
+
+def _run_module(name: str, spec: dict, scratch: Path, log, again: list[str] | None = None) -> tuple[Path, float]:
+    root = scratch / re.sub(r"[^a-z]+", "-", name).strip("-") if again is not None else _prepare(name, spec, scratch)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts mutants/ first itself
     # Plugins by name only (see pytest_add_cli_args in _prepare): finding the installed ones took ~0.3 s of
     # every mutant's pytest start.
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     start = time.monotonic()
-    res = subprocess.run([sys.executable, "-c", _MUTMUT, "run", *spec["functions"]], cwd=root, env=env,
-                         stdout=log, stderr=subprocess.STDOUT)
+    if again == []:  # nothing survived: nothing to rerun
+        return root, 0.0
+    res = subprocess.run([sys.executable, "-c", _MUTMUT, "run", *(again if again is not None else spec["functions"])],
+                         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - start
     if res.returncode != 0:
         raise SystemExit(f"mutmut run for {name} failed (exit {res.returncode}); see {log.name}")
@@ -371,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ci", action="store_true", help=f"only the modules CI mutates ({CI_NOTE})")
     ap.add_argument("--full", action="store_true", help="also the modules marked full (the signature line scanner)")
     ap.add_argument("--list-survivors", action="store_true", help="print every survivor's diff too")
+    ap.add_argument("--again", action="store_true",
+                    help="rerun only the last run's survivors (not listed as equivalent) of each module, in its "
+                         "scratch copy, against the checkout's tests as they are now: after adding tests that "
+                         "should kill them (the module's source must be unchanged since that run)")
     ap.add_argument("--scratch", type=Path, default=SCRATCH, help=f"where the scratch copies go (default: {SCRATCH})")
     args = ap.parse_args(argv)
     wanted = CI if args.ci else [m for m in MODULES if args.full or args.only or not MODULES[m].get("full")]
@@ -389,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = MODULES[name]
         log_path = args.scratch / (re.sub(r"[^a-z]+", "-", name).strip("-") + ".log")
         with open(log_path, "w") as log:
-            root, wall = _run_module(name, spec, args.scratch, log)
+            again = _again(name, spec, args.scratch, equivalent)[1] if args.again else None
+            root, wall = _run_module(name, spec, args.scratch, log, again)
         codes = _results(root, spec)
         alive = sorted(k for k, v in codes.items() if v in SURVIVED)
         diffs = _diffs(root, alive)
