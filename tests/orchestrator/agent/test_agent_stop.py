@@ -264,8 +264,8 @@ def test_sigint_reaches_a_process_that_left_the_group_at_the_first_step(local_ta
     daemon = int(log.split("daemon ", 1)[1].split()[0])
     result, events = stop(local_target.workdir, res.run_id, grace_s=5, requested_by=WHO)
     assert result["signals"] == ["SIGINT"]
-    assert [e["message"] for e in events if e.get("message", "").startswith("also sent")] == [
-        f"also sent SIGINT to pid(s) {daemon}, which left the run's process group"]
+    assert [(e["step"], e["message"], e["signal"]) for e in events if e.get("message", "").startswith("also sent")] == [
+        ("stop", f"also sent SIGINT to pid(s) {daemon}, which left the run's process group", "SIGINT")]
     assert not alive(daemon) and runprocs.run_processes(res.run_dir) == []
 
 
@@ -307,3 +307,49 @@ def test_stop_json_says_who_and_through_which_verb_with_defaults_for_what_was_no
     stopping._record_stop(tmp_path, {"by": "", "via": None})
     assert {k: v for k, v in json.loads((tmp_path / "stop.json").read_text()).items() if k != "at"} == {
         "by": "unknown", "via": "dflashctl stop"}
+
+
+def test_a_run_that_ended_with_a_child_left_is_stopped_not_already_ended(local_target):
+    """exit.json is there (the leader exited 0) but a background child of it lives on in its group, deaf to
+    SIGINT (a non-interactive shell's background job): the stop signals it, and does not call the run ended."""
+    res = launch(local_target, spec("leftover", ["bash", "-c", "sleep 600 >/dev/null 2>&1 & echo child $!; echo ready"]))
+    run_dir = Path(res.run_dir)
+    wait_for(lambda: (run_dir / "exit.json").exists(), what="exit.json")
+    child = int((run_dir / "train.log").read_text().rsplit("child ", 1)[1].split()[0])  # after the echoed command
+    assert alive(child)
+    result, events = stop(local_target.workdir, res.run_id, grace_s=2, requested_by=WHO)
+    assert result["signals"] == ["SIGINT", "SIGTERM"] and not result["already_ended"]
+    assert not alive(child) and result["exit"]["exit_code"] == 0
+
+
+def test_before_the_pid_file_the_panes_whole_group_is_counted_and_named(local_target):
+    run_id = "early2-20260101-000000"
+    run_dir = Path(local_target.workdir) / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "experiment": "early2"}))
+    tmuxctl.new_session(session_name("early2"), "bash -c 'sleep 600 & sleep 600 & wait'", str(run_dir), run_id)
+    s = wait_for(lambda: tmuxctl.find_session(session_name("early2")))
+    pane = s["pane_pid"]
+    wait_for(lambda: len(runprocs.group_members(pane)) == 3, what="bash and its two sleeps")
+    result, events = stop(local_target.workdir, run_id, grace_s=5, requested_by=WHO)
+    assert result["signals"][0] == "SIGINT"
+    sending = [e["message"] for e in events if e.get("message", "").startswith("sending")]
+    assert sending[0] == f"sending SIGINT to run {run_id} (process group {pane}; 3 process(es) left)"
+    assert runprocs.group_members(pane) == []
+
+
+def test_a_gone_run_and_an_unknown_one_are_answered_as_stop_events_and_with_the_fix(local_target):
+    run_id = "gone2-20260101-000000"
+    run_dir = Path(local_target.workdir) / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "experiment": "gone2"}))
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run_dir / "pid").write_text(f"{dead.pid}\n")
+    _, events = stop(local_target.workdir, run_id, requested_by=WHO)
+    assert [(e["event"], e["step"]) for e in events] == [("progress", "stop")]
+    with pytest.raises(AgentFailure) as info:
+        stop(local_target.workdir, "nope-2")
+    assert info.value.fix == "dflashctl status"
