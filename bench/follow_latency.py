@@ -1,6 +1,6 @@
 """Follow latency: a line appended to a run's train.log in a container -> handed to the local printer.
 
-dflashctl's follower (ops.logs.follow: SSHTransport -> pct exec -> agent `tail`, inotify wake-ups) against a
+dflashctl's follower (ops.follow.follow: SSHTransport -> pct exec -> agent `tail`, inotify wake-ups) against a
 bare `ssh HOST pct exec CT -- tail -F -n 0 FILE` (the OpenSSH client binary), both through the same fake
 Proxmox host (real sshd on 127.0.0.1) in this run, taking turns line by line so both see the same load.
 
@@ -35,7 +35,7 @@ def main() -> int:
 
     from fakehost import FakePVE
 
-    from orchestrator.ops.logs import Backoff, follow
+    from orchestrator.ops.follow import Backoff, follow
     from orchestrator.target import ContainerTarget
 
     host = FakePVE().start()

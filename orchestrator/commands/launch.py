@@ -48,7 +48,7 @@ def launch_cmd(
             early.close()
     _print(result, as_json=as_json, follow=follow, grace=grace)
     if follow and not dry_run:
-        from orchestrator.commands.logs import follow_and_print
+        from orchestrator.commands.following import follow_and_print
 
         # The whole log from its first line, printed exactly as `dflashctl logs RUN --follow` prints it (a run
         # across targets: no target, so that logs follows every node in one stream).

@@ -55,7 +55,7 @@ def test_errors_and_their_fixes_are_literal(capsys):
 
 
 def test_a_signature_match_in_logs_is_literal(capsys):
-    from orchestrator.commands.logs import _print_match
+    from orchestrator.commands.following import _print_match
     from orchestrator.render import console
 
     _print_match(console(stderr=True), {

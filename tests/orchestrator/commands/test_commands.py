@@ -52,8 +52,8 @@ def test_every_verb_module_stands_alone():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 assert node.module != "orchestrator.cli", f"{path.name} imports orchestrator.cli"
-                assert not (node.module or "").startswith("orchestrator.commands.") or path.name == "launch.py" \
-                    and node.module == "orchestrator.commands.logs" or node.module == "orchestrator.commands.options", \
+                assert not (node.module or "").startswith("orchestrator.commands.") or node.module in (
+                    "orchestrator.commands.options", "orchestrator.commands.following"), \
                     f"{path.name} imports another verb ({node.module})"
         for node in tree.body:
             if isinstance(node, (ast.Assign, ast.AnnAssign)):

@@ -1,4 +1,4 @@
-"""The reconnect policy of `dflashctl logs --follow` (orchestrator.ops.logs.follow), on real runs over real
+"""The reconnect policy of `dflashctl logs --follow` (orchestrator.ops.follow.follow), on real runs over real
 connections: the give-up time counts only the CURRENT outage (outages separated by delivered lines each start
 the clock again, however long they add up to); a changed host key met on a reconnect is refused at once, with
 the warning, never retried as a dropped connection; a run that a user stops mid-follow ends the follow with
@@ -25,7 +25,8 @@ from orchestrator.agent.protocol import Emitter
 from orchestrator.agent.verbs import stop as stop_verb
 from orchestrator.errors import HostKeyError
 from orchestrator.ops.launch import LaunchSpec, launch
-from orchestrator.ops.logs import EXIT_STOPPED, Backoff, follow
+from orchestrator.ops.follow import Backoff, follow
+from orchestrator.ops.followoutcome import EXIT_STOPPED
 from orchestrator.target import ContainerTarget, LocalTarget
 from orchestrator.transport.local import LocalTransport
 

@@ -27,7 +27,9 @@ from orchestrator import assets
 from orchestrator.agent import tmuxctl
 from orchestrator.agent.events import Data, Heartbeat, RunInfo
 from orchestrator.errors import RunNotFound
-from orchestrator.ops.logs import Backoff, LogHealth, follow, resolve
+from orchestrator.ops.follow import Backoff, follow
+from orchestrator.ops.loghealth import LogHealth
+from orchestrator.ops.placement import resolve_first as resolve
 from orchestrator.target import LocalTarget
 from orchestrator.transport.local import LocalTransport
 from orchestrator.quoting import render
@@ -443,7 +445,7 @@ def test_an_overlapping_chunk_is_trimmed_a_resent_one_skipped_a_gap_refused():
     """The follower's own guard (pure logic, no agent): an agent that resends bytes already shown (an older
     agent, a resend after a cut) must not make a line appear twice; a gap is an error, never a silent loss."""
     from orchestrator.errors import RemoteCommandError
-    from orchestrator.ops.logs import _Follower
+    from orchestrator.ops.follow import _Follower
 
     lines: list[str] = []
     f = _Follower(on_line=lines.append, on_match=None, on_alert=None, on_event=None, matcher=None, health=None)
@@ -682,7 +684,7 @@ def test_the_follower_turns_data_events_into_lines_and_feeds_the_real_matcher():
     """The follower's data handling as pure logic (fast: the mutation run's selection): text and base64 events,
     CRLF endings, a final partial line, invalid UTF-8 shown as U+FFFD, a first event at a non-zero offset,
     an event with no text, and every line through the real matcher (a match reaches on_match)."""
-    from orchestrator.ops.logs import _Follower
+    from orchestrator.ops.follow import _Follower
     from orchestrator.signatures import Matcher, load_catalogue
 
     lines: list[str] = []

@@ -1,4 +1,4 @@
-"""Property test of the follow (orchestrator.ops.logs.follow + the agent's `tail` verb): whatever the
+"""Property test of the follow (orchestrator.ops.follow.follow + the agent's `tail` verb): whatever the
 log holds and wherever the connection is cut, the follower prints exactly the log's lines, once, in order, and
 the agent never sends again a byte the follower already received: every reconnect asks for the end of the last
 complete event, and the data events received whole tile the file exactly.
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.bundle import source_root
-from orchestrator.ops.logs import Backoff, follow
+from orchestrator.ops.follow import Backoff, follow
 from orchestrator.target import LocalTarget
 from orchestrator.transport.base import Result
 
