@@ -98,3 +98,21 @@ experiments:
     assert r.returncode == 1 and "bad tag name" in r.stderr
     r = cli("stop", "slow", "--grace", "1", inv=inv)
     assert r.returncode == 0 and "stopped with SIGINT" in r.stdout, r.stdout + r.stderr
+
+
+def test_diff_shows_the_dataset_key_and_the_inputs_that_differ_from_the_records_dataset_events():
+    """A dataset event folds into its run's record; the diff names the key and each key input that differs
+    (not the ones alike); the same key is no difference; a run without a known dataset shows the key alone."""
+    ki = {"inputs": ["aa"], "max_new_tokens": 8, "target": {"weights": {"model.safetensors": "w1"}}, "engine": "vllm"}
+    for run_id in ("d-1", "d-2", "d-3", "d-4"):
+        records.append_record(rec(run_id))
+    records.record_dataset("d-1", {"key": "k1", "path": "/w/datasets/regen-k1", "key_inputs": ki})
+    records.record_dataset("d-2", {"key": "k2", "path": "/w/datasets/regen-k2",
+                                   "key_inputs": {**ki, "max_new_tokens": 16, "target": {"weights": {"model.safetensors": "w2"}}}})
+    records.record_dataset("d-3", {"key": "k1", "path": "/w/datasets/regen-k1", "key_inputs": ki})
+    assert records.find_record("d-1")["dataset"]["key"] == "k1"
+    d = diff("d-1", "d-2")
+    assert d.dataset == [("key", "k1", "k2"), ("max_new_tokens", 8, 16), ("target.weights.model.safetensors", "w1", "w2")]
+    assert not d.same and d.to_dict()["dataset"][0] == ["key", "k1", "k2"]
+    assert diff("d-1", "d-3").same
+    assert diff("d-1", "d-4").dataset == [("key", "k1", None)]
