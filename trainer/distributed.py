@@ -1,4 +1,4 @@
-"""torch.distributed for the trainer: where this rank sits, its device, process groups, the feature protocol.
+"""torch.distributed for the trainer: where this rank sits, its device, process groups, the store protocol.
 
 torch's elastic launcher (trainer.launch) starts one process per rank and gives each its RANK, LOCAL_RANK,
 WORLD_SIZE and the store's address (MASTER_ADDR, MASTER_PORT); trainer.launch adds DFLASH_NODE, the node's
@@ -9,15 +9,7 @@ RANK 0 only decides who hosts the store at MASTER_ADDR:MASTER_PORT. Ranks 0..T-1
 (trainer.layout.Layout says who is who). NCCL on GPUs, gloo on CPU: the same code runs in the CPU tests with
 several processes. A world of one (the colocated layout) initialises no process group at all.
 
-The feature protocol: a target rank sends each batch as three point-to-point messages whose shapes every
-rank knows in advance (fixed shapes: packed rows x row length), so no size is ever negotiated:
-
-    ids    [4, R, L] int64    input_ids, loss_mask, doc_ids, position_ids            tag 0
-    feats  [R, L, F] dtype    target features (the target's dtype: float32 CPU, bfloat16 CUDA)   tag 1
-    report [6] float64        BatchReport of the sending target rank (time, tokens, memory)     tag 2
-
-Messages between one pair of ranks arrive in the order they were posted, and both sides walk the same
-deterministic schedule (trainer.layout.Schedule), so a receive never waits for a batch that will not come.
+The feature protocol (how a target rank sends a batch's features to a drafter rank) is trainer.feature_wire.
 
 The store protocol (across nodes, whose run directories and datasets roots are not one): rank 0 builds the
 token store (trainer.store) and sends its files to the first rank of every other node, point-to-point, tag 8:
@@ -41,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator, Mapping
 
@@ -54,7 +46,6 @@ import torch.distributed as dist
 
 from trainer import store as token_store
 from trainer.layout import Layout
-from trainer.objective import PackedBatch
 
 
 class DistributedError(RuntimeError):
@@ -104,7 +95,7 @@ class RankEnv:
 
 
 FINISH_TAG = 7
-"""The point-to-point tag of World.finish (the feature messages use 0-2)."""
+"""The point-to-point tag of World.finish (the feature frames use 0-3: trainer.feature_wire.TAGS)."""
 
 STORE_TAG = 8
 """The point-to-point tag of the store protocol (World.share_store)."""
@@ -346,101 +337,3 @@ def init_world(layout: Layout, env: RankEnv, timeout_s: int, environ: Mapping[st
     dist.init_process_group(backend, store=store, rank=rank, world_size=env.world_size, timeout=timeout)
     group = dist.new_group(layout.drafter_ranks(), timeout=timeout)
     return World(placed, layout, device, group if layout.num_drafters > 1 else None)
-
-
-# -- the feature protocol ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BatchReport:
-    """What a target rank reports with every batch it sends (MiB for memory)."""
-
-    target_s: float
-    tokens: float
-    alloc_mb: float = 0.0
-    peak_mb: float = 0.0
-    rss_mb: float = 0.0
-    peak_rss_mb: float = 0.0
-
-    def memory(self) -> dict[str, float]:
-        return {"alloc_mb": self.alloc_mb, "peak_mb": self.peak_mb, "rss_mb": self.rss_mb, "peak_rss_mb": self.peak_rss_mb}
-
-    def to_tensor(self) -> torch.Tensor:
-        return torch.tensor(astuple(self), dtype=torch.float64)
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "BatchReport":
-        return cls(*[float(x) for x in t.tolist()])
-
-
-REPORT_LEN = len(astuple(BatchReport(0.0, 0.0)))
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """The fixed shapes of one batch message (known to sender and receiver without talking)."""
-
-    rows: int
-    row_len: int
-    feat_dim: int
-    feat_dtype: torch.dtype
-    device: torch.device
-
-
-def pack_batch(batch: PackedBatch, report: BatchReport, spec: FeatureSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A batch as the three message tensors (ids [4,R,L] int64, feats [R,L,F], report [6] float64).
-
-    Raises:
-        ValueError: the batch does not have the spec's shapes (every batch must be padded to them).
-    """
-    want = (spec.rows, spec.row_len)
-    if tuple(batch.input_ids.shape) != want or batch.target_hidden.shape[-1] != spec.feat_dim:
-        raise ValueError(
-            f"batch {tuple(batch.target_hidden.shape)} does not match the fixed shape {want + (spec.feat_dim,)}; "
-            "pad every batch to data.max_batch_size rows of data.max_len tokens"
-        )
-    ids = torch.stack([batch.input_ids, batch.loss_mask, batch.doc_ids, batch.position_ids]).to(spec.device, torch.long)
-    feats = batch.target_hidden.to(spec.device, spec.feat_dtype).contiguous()
-    return ids, feats, report.to_tensor().to(spec.device)
-
-
-def send_batch(batch: PackedBatch, report: BatchReport, dst: int, spec: FeatureSpec) -> list:
-    """Post the three messages of a batch to rank `dst` (non-blocking).
-
-    Returns:
-        [(work, tensor)] pairs: keep them (the tensors must live until `work.wait()` returns).
-    """
-    out = []
-    tensors = pack_batch(batch, report, spec)  # a shape error is this rank's own, not a lost peer
-    with talking_to(f"sending features to rank {dst}", dst):  # posting fails at once on a pair already broken
-        for tag, t in enumerate(tensors):
-            out.append((dist.isend(t, dst=dst, tag=tag), t))
-    return out
-
-
-def wait_sent(works: list, dst: int) -> None:
-    """Wait until every message of one `send_batch` went out (raises PeerLostError if `dst` is gone)."""
-    with talking_to(f"sending features to rank {dst}", dst):
-        for work, _ in works:
-            work.wait()
-
-
-class PendingBatch:
-    """A batch being received; `wait()` returns it."""
-
-    def __init__(self, src: int, spec: FeatureSpec):
-        R, L = spec.rows, spec.row_len
-        self.src = src
-        self._ids = torch.empty((4, R, L), dtype=torch.long, device=spec.device)
-        self._feats = torch.empty((R, L, spec.feat_dim), dtype=spec.feat_dtype, device=spec.device)
-        self._report = torch.empty((REPORT_LEN,), dtype=torch.float64, device=spec.device)
-        with talking_to(f"receiving features from rank {src}", src):
-            self._works = [dist.irecv(t, src=src, tag=tag)
-                           for tag, t in enumerate((self._ids, self._feats, self._report))]
-
-    def wait(self) -> tuple[PackedBatch, BatchReport]:
-        """Block until all three messages are in (PeerLostError on a peer failure or the collective timeout)."""
-        with talking_to(f"receiving features from rank {self.src}", self.src):
-            for w in self._works:
-                w.wait()
-        ids = self._ids
-        batch = PackedBatch(input_ids=ids[0], loss_mask=ids[1], doc_ids=ids[2], position_ids=ids[3], target_hidden=self._feats)
-        return batch, BatchReport.from_tensor(self._report.cpu())

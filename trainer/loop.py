@@ -40,8 +40,9 @@ import torch
 from trainer.checkpoint import RunCheckpoints
 from trainer.config import OptimConfig, TrainConfig
 from trainer.data import DataError, build_step, plan_epoch, target_features
-from trainer.distributed import BatchReport, FeatureSpec, PendingBatch, World, send_batch, talking_to, wait_sent
+from trainer.distributed import World, talking_to
 from trainer.export_check import ExportMismatch, check_export, compare_export
+from trainer.feature_wire import BatchReport, FeatureSpec, PendingBatch, send_batch, wait_sent
 from trainer.layout import Schedule
 from trainer.metrics import MetricsWriter, memory_stats, rewind_metrics, run_facts
 from trainer.objective import PackedBatch, dflash_loss
@@ -196,7 +197,7 @@ class RemoteFeatures:
             return
         posted = []
         for b in self.schedule.batches(step, self.drafter):
-            posted.append((b, PendingBatch(self.schedule.source(b), self.spec)))
+            posted.append((b, PendingBatch(self.schedule.source(b), self.spec, b)))
         self.pending = (step, posted)
 
     def __call__(self, step: int) -> list[Item]:
@@ -227,7 +228,7 @@ def serve_features(cfg: TrainConfig, world: World, log: Log) -> None:
         for b, dst in schedule.sends(world.rank, s):
             batch, secs = compute_batch(assets, plan.batches[b][1], cfg)
             report = BatchReport(secs, batch.num_tokens, **rank_memory(world.device))
-            inflight.append((send_batch(batch, report, dst, spec), dst))
+            inflight.append((send_batch(batch, report, b, dst, spec), dst))
             while len(inflight) > cap:  # bounded: wait for the oldest batch to be received
                 wait_sent(*inflight.popleft())
     while inflight:

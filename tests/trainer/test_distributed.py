@@ -1,5 +1,5 @@
 """The distributed pieces: rank environment, per-rank process environment, the fixed-shape feature
-protocol over a real gloo world of two processes, and how a failed rank is described."""
+protocol (its framing, and over a real gloo world of two processes), and how a failed rank is described."""
 
 from __future__ import annotations
 
@@ -12,18 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.distributed import (
-    REPORT_LEN,
-    BatchReport,
-    DistributedError,
-    FeatureSpec,
-    PeerLostError,
-    RankEnv,
-    pack_batch,
-    read_rank_env,
-    select_device,
-    talking_to,
-)
+from trainer.distributed import DistributedError, PeerLostError, RankEnv, read_rank_env, select_device, talking_to
+from trainer.feature_wire import REPORT_LEN, BatchReport, FeatureSpec, encode
 from trainer.layout import Layout
 from trainer.objective import PackedBatch
 
@@ -88,17 +78,71 @@ def _batch(R=2, L=8, F=6, seed=0) -> PackedBatch:
                        torch.randn(R, L, F, generator=g))
 
 
-def test_pack_batch_refuses_a_batch_of_another_shape():
+def test_encode_refuses_a_batch_of_another_shape():
     spec = FeatureSpec(2, 8, 6, torch.float32, torch.device("cpu"))
-    ids, feats, stats = pack_batch(_batch(), BatchReport(0.0, 0.0), spec)
-    assert ids.shape == (4, 2, 8) and feats.shape == (2, 8, 6) and stats.dtype == torch.float64
+    header, ids, feats, stats = encode(_batch(), BatchReport(0.0, 0.0), 0, spec)
+    assert header.shape == (8,) and ids.shape == (4, 2, 8) and feats.shape == (2, 8, 6) and stats.dtype == torch.float64
     with pytest.raises(ValueError, match=r"does not match the fixed shape \(2, 8, 6\).*pad every batch"):
-        pack_batch(_batch(R=1), BatchReport(0.0, 0.0), spec)
+        encode(_batch(R=1), BatchReport(0.0, 0.0), 0, spec)
+
+
+
+def test_a_frame_round_trips_and_its_header_says_which_batch_in_which_shapes():
+    from trainer.feature_wire import MAGIC, VERSION, decode
+
+    spec = FeatureSpec(2, 8, 6, torch.bfloat16, torch.device("cpu"))
+    report = BatchReport(0.5, 12.0, 1.0, 2.0, 3.0, 4.0)
+    frame = encode(_batch(), report, 41, spec)
+    assert frame[0].tolist() == [MAGIC, VERSION, 41, 2, 8, 6, 1, REPORT_LEN]  # bfloat16 is dtype code 1
+    got, got_report = decode(tuple(t.clone() for t in frame), spec, 41, src=0)
+    want = _batch()
+    for name in ("input_ids", "loss_mask", "doc_ids", "position_ids"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.target_hidden.dtype == torch.bfloat16 and torch.equal(got.target_hidden, want.target_hidden.to(torch.bfloat16))
+    assert got_report == report
+
+
+def _bad(frame, word: int, value: int):
+    header = frame[0].clone()
+    header[word] = value
+    return (header,) + tuple(frame[1:])
+
+
+def test_a_bad_header_is_named_with_the_field_and_the_fix():
+    from trainer.feature_wire import Header, WireError, decode
+
+    spec = FeatureSpec(2, 8, 6, torch.float32, torch.device("cpu"))
+    frame = encode(_batch(), BatchReport(0.0, 0.0), 3, spec)
+    cases = {
+        0: "rank 2 sent a header that is not a feature frame (magic 0x1234, expected 0xdf1a5f7): another program is "
+           "talking on the run's feature tags",
+        1: "rank 2 speaks feature protocol version 0x1234 (report of 6), this rank version 1 (report of 6): the nodes "
+           "run different trainers; launch every node from the same bundle",
+        7: "rank 2 speaks feature protocol version 1 (report of 0x1234), this rank version 1 (report of 6): the nodes "
+           "run different trainers; launch every node from the same bundle",
+        6: "rank 2 sent features of dtype code 0x1234, which this trainer does not know (known: [0, 1, 2, 3]): the "
+           "nodes run different trainers; launch every node from the same bundle",
+        5: "rank 2 sends features [2, 8, 0x1234] float32, this rank expects [2, 8, 6] float32: the ranks were started "
+           "from different configs (data.max_batch_size, data.max_len, the target or its dtype); launch every node "
+           "from the same config",
+        2: "rank 2 sent batch 0x1234 where this rank's schedule expects batch 3: the ranks walk different schedules "
+           "(layout or data.batches_per_step differ); launch every node from the same config",
+    }
+    for word, text in cases.items():
+        with pytest.raises(WireError) as e:
+            decode(_bad(frame, word, 0x1234), spec, 3, src=2)
+        assert str(e.value) == text.replace("0x1234", str(0x1234)).replace("magic 4660", "magic 0x1234"), word
+    with pytest.raises(WireError, match=r"sends features \[2, 8, 6\] float32, this rank expects \[2, 8, 6\] bfloat16"):
+        decode(frame, FeatureSpec(2, 8, 6, torch.bfloat16, torch.device("cpu")), 3, src=2)
+    assert issubclass(WireError, DistributedError)  # one `error:` line from the rank, exit code 2
+    with pytest.raises(ValueError, match="features of dtype torch.int8 cannot travel"):
+        Header(0, 2, 8, 6, torch.int8).to_tensor()
 
 
 _PEER = r"""
 import sys, torch
-from trainer.distributed import BatchReport, FeatureSpec, PendingBatch, init_world, read_rank_env, send_batch, wait_sent
+from trainer.distributed import init_world, read_rank_env
+from trainer.feature_wire import BatchReport, FeatureSpec, PendingBatch, WireError, send_batch, wait_sent
 from trainer.layout import Layout
 sys.path.insert(0, sys.argv[1])
 from test_distributed import _batch
@@ -106,12 +150,13 @@ env = read_rank_env()
 world = init_world(Layout(num_target_procs=1, num_drafter_procs=1), env, 30)
 spec = FeatureSpec(2, 8, 6, torch.bfloat16, torch.device("cpu"))
 if env.rank == 0:
-    works = [send_batch(_batch(seed=s), BatchReport(*[float(s)] * 6), 1, spec) for s in range(3)]
+    works = [send_batch(_batch(seed=s), BatchReport(*[float(s)] * 6), s, 1, spec) for s in range(3)]
+    works.append(send_batch(_batch(seed=3), BatchReport(0.0, 0.0), 9, 1, spec))  # not the batch rank 1 expects
     for w in works:
         wait_sent(w, 1)
 else:
-    pending = [PendingBatch(0, spec) for _ in range(3)]  # posted ahead, like a drafter's prefetch
-    for s, p in enumerate(pending):
+    pending = [PendingBatch(0, spec, s) for s in range(4)]  # posted ahead, like a drafter's prefetch
+    for s, p in enumerate(pending[:3]):
         got, stats = p.wait()
         want = _batch(seed=s)
         assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.position_ids, want.position_ids)
@@ -119,6 +164,10 @@ else:
         assert torch.equal(got.target_hidden, want.target_hidden.to(torch.bfloat16))
         assert stats == BatchReport(*[float(s)] * 6)
     print("received 3 batches in order")
+    try:
+        pending[3].wait()
+    except WireError as exc:
+        print("refused:", exc)
 """
 
 
@@ -139,6 +188,8 @@ def test_feature_messages_arrive_in_order_over_gloo():
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "received 3 batches in order" in outs[1]
+    assert ("refused: rank 0 sent batch 9 where this rank's schedule expects batch 3: the ranks walk different "
+            "schedules (layout or data.batches_per_step differ); launch every node from the same config") in outs[1]
 
 
 def test_plan_steps_are_the_same_for_every_rank_and_batches_are_padded():
