@@ -353,6 +353,27 @@ class Evaluation:
         return json.loads(p.read_text())["tau"] if p.exists() else None
 
 
+class NoMetrics:
+    """The metrics of a rank that writes none (every drafter rank but the main one): writes nothing."""
+
+    def write(self, record: dict) -> None:
+        """Nothing: the main drafter rank writes the run's metrics."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class NoEvaluation:
+    """The evaluation of a rank that evaluates nothing (every drafter rank but the main one)."""
+
+    def run(self, module, step: int, when: str, export_dir: Path | None = None) -> None:
+        """No report: the main drafter rank measures τ."""
+        return None
+
+    def tau_before(self) -> None:
+        return None
+
+
 class CompileWatch:
     """Reports graphs compiled after the first step: shapes are fixed, so any is a recompile."""
 
@@ -376,7 +397,8 @@ class CompileWatch:
 # -- the drafter loop ---------------------------------------------------------------------------------------
 @dataclass
 class _Run:
-    """Everything a drafter rank's loop holds (built once by `train`)."""
+    """Everything a drafter rank's loop holds (built once by `train`); a rank other than the main one has
+    metrics and an evaluation that do nothing."""
 
     cfg: TrainConfig
     world: World
@@ -386,9 +408,9 @@ class _Run:
     drafter: Drafter
     features: Any
     checkpoints: RunCheckpoints
+    metrics: MetricsWriter | NoMetrics
+    evaluation: Evaluation | NoEvaluation
     log: Log
-    metrics: MetricsWriter | None = None
-    evaluation: Evaluation | None = None
     grad_norm: float = 0.0
     recompiles: int = 0
 
@@ -467,7 +489,7 @@ def train_steps(run: _Run, step: int) -> int:
             run.checkpoints.save(run.drafter, step, run.log)
             if cfg.evaluation.export_check:
                 check_export(run.drafter.module, run.assets.target, cfg.output_dir, step, log=run.log)
-        if world.is_main and cfg.eval_every and step % cfg.eval_every == 0 and step < plan.steps:
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < plan.steps:
             run.evaluation.run(run.drafter.module, step, "during")
     run.recompiles = watch.recompiles
     return step
@@ -525,19 +547,21 @@ def train(cfg: TrainConfig, world: World, log: Log = print) -> TrainResult:
         features = LocalFeatures(cfg, assets, plan, schedule)
     else:
         features = RemoteFeatures(world, schedule, feature_spec(cfg, assets, world.device), plan.steps)
-    run = _Run(cfg, world, assets, plan, schedule, drafter, features, checkpoints, log)
     log(f"drafter rank {world.rank} (pid {os.getpid()}): {sum(p.numel() for p in drafter.module.parameters()) / 1e6:.2f}M params, "
         f"backend {drafter.module.backend}, compiled forward {drafter.compiled}, precision {drafter.precision.name}; {plan.steps} steps x "
         f"{schedule.per_step} batch(es) of {cfg.rows_per_step} rows x {cfg.row_len} ({schedule.per_drafter} on this rank)")
+    metrics: MetricsWriter | NoMetrics = NoMetrics()
+    evaluation: Evaluation | NoEvaluation = NoEvaluation()
     if world.is_main:
-        run.metrics = MetricsWriter(out / "metrics.jsonl")
-        run.metrics.write(run_facts(cfg, assets.target, drafter.module, assets.mask_token_id))
+        metrics = MetricsWriter(out / "metrics.jsonl")
+        metrics.write(run_facts(cfg, assets.target, drafter.module, assets.mask_token_id))
         check_servable_export(cfg, assets, drafter, world, log)
         if cfg.evaluation.export_check:
             check_export(drafter.module, assets.target, out, step, log=log)
-        run.evaluation = Evaluation(cfg, assets, run.metrics, log)
+        evaluation = Evaluation(cfg, assets, metrics, log)
         if not step or not (out / "eval_before.json").exists():
-            run.evaluation.run(drafter.module, step, "before")
+            evaluation.run(drafter.module, step, "before")
+    run = _Run(cfg, world, assets, plan, schedule, drafter, features, checkpoints, metrics, evaluation, log)
     step = train_steps(run, step)
     return _finish(run, step)
 
