@@ -248,7 +248,8 @@ FLOORS = {
     "checkpoint": 90, "sampling": 80, "monitor": 72, "tailer (baseline)": 68, "verification skip": 0,
     "verification skip (verify)": 0, "follow (reconnect policy)": 0,
     # 2026-12-02 (issue 23), after the tests that killed their survivors:
-    "stopping": 0, "run processes": 0, "token store": 0, "regen shards": 0,
+    # regen shards 97.5% at first (201 mutants), 100.0% once its 5 equivalents were listed;
+    "stopping": 0, "run processes": 0, "token store": 0, "regen shards": 99,
 }
 
 KILLED = {1, 3, 36, 24, -24, 152, 255}  # mutmut's exit codes: failed tests, pytest error, timeouts
