@@ -124,8 +124,9 @@ class AptRoot:
                 f"reaches) and has apt-get and {KEYRING} (apt-get install debian-archive-keyring); or install tmux "
                 "in the target by hand")
 
-    def prepare(self) -> None:
-        """The directory layout and the sources list; `apt-get update` when the lists are missing or old."""
+    def prepare(self, offline: bool = False) -> None:
+        """The directory layout and the sources list; `apt-get update` when the lists are missing or old
+        (`offline`: never; lists missing: DebsError)."""
         r = self.release
         for sub in ("sources.list.d", "preferences.d", "state/lists/partial", "cache/archives/partial", "archives"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
@@ -136,8 +137,11 @@ class AptRoot:
         if not fresh:
             path.write_text(sources)
         stamp = self.dir / "state" / "updated"
-        if fresh and stamp.is_file() and time.time() - stamp.stat().st_mtime < LISTS_MAX_AGE_S:
+        if fresh and stamp.is_file() and (offline or time.time() - stamp.stat().st_mtime < LISTS_MAX_AGE_S):
             return
+        if offline:
+            raise DebsError(f"--offline, and this workstation has no package lists of {r.codename}/{r.arch} yet",
+                            fix="run dflashctl rebuild-venv once without --offline")
         self._run(["apt-get", *self.options(), "-q", "update"], f"apt-get update for {r.codename}/{r.arch}")
         stamp.touch()
 
@@ -149,8 +153,9 @@ class AptRoot:
         names = [ln.strip() for ln in out.splitlines() if ln and not ln[0].isspace()]
         return sorted({n for n in names if _NAME.match(n)})
 
-    def download(self, names: list[str]) -> list[Deb]:
-        """The package files of `names`, each checked against the index's SHA256 (cached in archives/)."""
+    def download(self, names: list[str], offline: bool = False) -> list[Deb]:
+        """The package files of `names`, each checked against the index's SHA256 (cached in archives/;
+        `offline`: only from there)."""
         listing = self._run(["apt-get", *self.options(), "download", "--print-uris", *names],
                             "apt-get download --print-uris")
         wanted = []
@@ -162,6 +167,9 @@ class AptRoot:
             raise DebsError(f"the {self.release.codename} index names {len(wanted)} files for {len(names)} packages "
                             f"({', '.join(names)})", fix=self.fix())
         missing = [f for f, _size, sha in wanted if _sha256(self.archives / f) != sha]
+        if missing and offline:
+            raise DebsError(f"--offline, and this workstation's cache lacks {', '.join(missing)}",
+                            fix="run dflashctl rebuild-venv once without --offline")
         if missing:
             self._run(["apt-get", *self.options(), "download", *names], "apt-get download", cwd=self.archives)
         debs = []
@@ -182,13 +190,14 @@ def _sha256(path: Path) -> str | None:
         return None
 
 
-def needed(release: Release, installed: set[str], package: str = "tmux", base: Path | None = None) -> list[Deb]:
+def needed(release: Release, installed: set[str], package: str = "tmux", base: Path | None = None,
+           offline: bool = False) -> list[Deb]:
     """The checked package files of `package` and those of its dependencies the target lacks (`installed`:
-    the names dpkg has installed there)."""
+    the names dpkg has installed there). `offline`: from this workstation's cache only, no download."""
     root = AptRoot(release, base)
-    root.prepare()
+    root.prepare(offline)
     names = [n for n in root.closure(package) if n not in installed]
-    return root.download(names) if names else []
+    return root.download(names, offline) if names else []
 
 
 def payload(debs: list[Deb]) -> bytes:
@@ -221,16 +230,18 @@ class Carried:
     version: str
 
 
-def carry_tmux(target, data: dict, timeout: float = 600.0) -> Carried:
+def carry_tmux(target, data: dict, timeout: float = 600.0, offline: bool = False) -> Carried:
     """Bring tmux to `target` (a ContainerTarget: `.run(argv, stdin=, timeout=)`) from its TmuxMissing data
     ({os, codename, arch, installed}): one target command.
+
+    `offline` (rebuild-venv --offline): only packages this workstation already holds; nothing is downloaded.
 
     Raises:
         DebsError: the release is not Debian's, the packages cannot be fetched or checked here, or dpkg in the
             target refused them (its last lines in the message).
     """
     release = Release.from_data(data)
-    debs = needed(release, set(data.get("installed") or ()))
+    debs = needed(release, set(data.get("installed") or ()), offline=offline)
     if not debs:
         raise DebsError(f"dpkg in {target.name} lists every package tmux needs, yet tmux is not on PATH",
                         fix="check the target's PATH, or reinstall tmux there (apt-get install --reinstall tmux)")

@@ -438,7 +438,7 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
         plan.send(uv=bool(need.get("uv")), wheels=set(need.get("wheels") or ()))
         events, res = _run_script(target, plan.argv(), plan.stdin(), on_event, timeout)
         commands = 2
-    tmux = _carry_tmux(target, events, on_event, timeout)  # before the verdict: a failed build still gets tmux
+    tmux = _carry_tmux(target, events, on_event, timeout, offline)  # before the verdict: a failed build gets it too
     commands += tmux is not None
     try:
         report = _finish(target, plan.lock, (events, res), start, commands, plan.sent_names(), plan.sent_bytes(),
@@ -527,10 +527,11 @@ def _run_script(target, argv: list[str], stdin: bytes | None, on_event, timeout:
     return events, res
 
 
-def _carry_tmux(target, events: _Events, on_event, timeout: float) -> debs.Carried | None:
+def _carry_tmux(target, events: _Events, on_event, timeout: float, offline: bool) -> debs.Carried | None:
     """The script's TmuxMissing warning with the target's release (apt-get there could not install tmux):
     Debian's packages for that release, fetched and checked here, installed there (ops/debs.py; one more
-    command). Carried, the warning is gone; failing, the warning says why and its fix is debs' own."""
+    command; `offline`: only packages this workstation already holds). Carried, the warning is gone; failing,
+    the warning says why, and its fix is debs' own (under --offline the apt-get line stays)."""
     warn = next((w for w in events.warnings if w.get("type") == "TmuxMissing" and (w.get("data") or {}).get("os")),
                 None)
     if warn is None:
@@ -540,10 +541,11 @@ def _carry_tmux(target, events: _Events, on_event, timeout: float) -> debs.Carri
         on_event({"event": "progress", "step": "tmux", "message": "bringing tmux: Debian's packages for "
                   f"{data.get('os')} {data.get('codename')}/{data.get('arch')}, fetched and checked here"})
     try:
-        carried = debs.carry_tmux(target, data, timeout=min(timeout, 600.0))
+        carried = debs.carry_tmux(target, data, timeout=min(timeout, 600.0), offline=offline)
     except debs.DebsError as exc:
         warn["message"] = f"{warn.get('message')}; bringing Debian's tmux packages from here failed: {exc.message}"
-        warn["fix"] = exc.fix
+        if not offline:
+            warn["fix"] = exc.fix
         return None
     events.warnings.remove(warn)
     return carried
