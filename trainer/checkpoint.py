@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
+from trainer.atomic import fsync_dir as _fsync_dir
 from trainer.config import TrainConfig
 from trainer.precision import Precision
 from trainer.setup import TrainError
@@ -47,18 +48,6 @@ class CheckpointInfo:
 
     step: int
     path: Path
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename itself lives in the directory entry; without this a power cut can forget it.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

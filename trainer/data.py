@@ -23,7 +23,6 @@ Anchors are NOT chosen here: the objective re-draws them every step.
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +31,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+
+from trainer.atomic import write_lines
 
 # Normalised roles -> the spellings accepted in each format.
 _ROLE_ALIASES = {
@@ -321,14 +322,8 @@ def save_samples(samples: Sequence[Sample], path: str | Path) -> None:
 
     The list path, kept as the baseline of bench/data_scale.py and the tests: a run's samples live in a
     token store (trainer.store), whose memory does not grow with the dataset."""
-    p = Path(path)
-    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for s in samples:
-            f.write(json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "source": s.source}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    write_lines(path, (json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "source": s.source}) + "\n"
+                       for s in samples))
 
 
 def load_samples(path: str | Path) -> list[Sample]:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.atomic import fsync_dir, fsync_file
+
 
 def reference_code() -> bytes:
     """The self-contained remote code shipped beside every export (trainer/reference/dflash.py).
@@ -84,19 +86,6 @@ def draft_config_dict(drafter, target, dtype: torch.dtype = torch.bfloat16) -> d
     }
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def export_drafter(drafter, target, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the drafter in the reference layout, atomically.
 
@@ -132,15 +121,15 @@ def export_drafter(drafter, target, out_dir: str | Path, *, dtype: torch.dtype =
         (tmp / "config.json").write_text(json.dumps(draft_config_dict(drafter, target, dtype), indent=2) + "\n")
         (tmp / "dflash.py").write_bytes(reference_code())
         for name in ("model.safetensors", "config.json", "dflash.py"):
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
+            fsync_file(tmp / name)
+        fsync_dir(tmp)
         old = None
         if out.exists():
             # A directory cannot be renamed over a non-empty one: move the old one aside first.
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.rename(out, old / "x")
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

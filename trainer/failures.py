@@ -20,13 +20,13 @@ consequence from a cause; this ranking replaces it.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from trainer.atomic import write_json
 
 ROOT_CAUSE_FILE = "root_cause.json"
 """Written into the run directory when a run fails (start_training.sh copies it into exit.json)."""
@@ -174,11 +174,7 @@ def name_lost_peer(doc: dict[str, Any], layout: Any, node: int) -> dict[str, Any
 
 def write_report(run_dir: Path, doc: dict[str, Any]) -> Path:
     """root_cause.json in `run_dir`, on one line (temp file + rename: complete or absent)."""
-    path = run_dir / ROOT_CAUSE_FILE
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(run_dir / ROOT_CAUSE_FILE, doc, indent=None, end="\n")
 
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.atomic import write_json
 from trainer.checkpoint import RunCheckpoints
 from trainer.config import OptimConfig, TrainConfig
 from trainer.data import DataError, build_step, plan_epoch, target_features
@@ -47,7 +48,7 @@ from trainer.layout import Schedule
 from trainer.metrics import MetricsWriter, memory_stats, rewind_metrics, run_facts
 from trainer.objective import PackedBatch, dflash_loss
 from trainer.precision import Precision, resolve_precision
-from trainer.setup import Assets, TrainError, load_assets, load_target, seed_everything, write_json
+from trainer.setup import Assets, TrainError, load_assets, load_target, seed_everything
 from trainer.stats import MEM_KEYS, StepStats
 
 Log = Callable[[str], None]

@@ -18,13 +18,14 @@ failure the process ends with os._exit: interpreter teardown can block on a dead
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from trainer.atomic import write_json
 
 
 class RankErrorHandler(ErrorHandler):
@@ -50,10 +51,7 @@ class RankErrorHandler(ErrorHandler):
                 },
             }
         }
-        tmp = f"{file}.tmp-{os.getpid()}"
-        with open(tmp, "w") as fp:
-            json.dump(data, fp)
-        os.replace(tmp, file)  # the agent may read it the moment the process is gone: never half a file
+        write_json(file, data, indent=None)  # the agent may read it the moment the process is gone: never half a file
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

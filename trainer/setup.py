@@ -16,8 +16,6 @@ A resumed run finds its pointer in place, opens the same store and never regener
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from trainer.atomic import write_json
 from trainer.config import TrainConfig
 from trainer.data import DataError, SkipReport, read_prompts
 from trainer.regenerate import regenerated_files
@@ -35,13 +34,6 @@ from trainer.store import (
 
 class TrainError(RuntimeError):
     """Training cannot start or continue; the message says what to change."""
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON by temp file + rename: a reader never sees half a file."""
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 def seed_everything(seed: int) -> None:
