@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.atomic import write_json
 from trainer.ddtree import build_tree, keep_path, verify_inputs, walk
 from trainer.metrics import tau_key, width_key
 from trainer.sampling import accept_greedy, accept_sampled, choose, draw, probabilities
@@ -109,14 +110,7 @@ class EvalReport:
 
     def save(self, path: str | Path) -> Path:
         """Write `to_dict` as JSON, whole or not at all (temp file + rename)."""
-        import json
-        import os
-
-        p = Path(path)
-        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, p)
-        return p
+        return write_json(path, self.to_dict(), end="\n")
 
     def table(self) -> str:
         """A human table: one row per temperature, one column per mode (τ, then tokens per verify forward)."""

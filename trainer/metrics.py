@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.atomic import write_lines
+
 
 def _clean(value: Any) -> Any:
     """Make a value JSON-safe: tensors/numpy scalars to Python numbers, NaN/inf to strings.
@@ -288,11 +290,5 @@ def rewind_metrics(path: str | Path, step: int) -> int:
     keep = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
     if len(keep) == len(records):
         return 0
-    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in keep:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    write_lines(p, (json.dumps(r, separators=(",", ":")) + "\n" for r in keep))
     return len(records) - len(keep)
