@@ -18,6 +18,13 @@ with the root cause's traceback from its error file.
 A root cause that only lost a peer on another node (a PeerLostError naming that rank) is reported as that
 node's loss: `lost rank R (drafter, node 1 (ct201), ...)`, in root_cause.json's `lost`.
 
+A run whose config asks for the vLLM evaluation (evaluation.engine: vllm) needs a vLLM interpreter in
+$DFLASH_VLLM_PYTHON (dflashctl passes the experiment's data venv) and is refused (exit 2) before any rank
+starts without one. Once every rank has finished, the node that holds the export judges it there
+(`judge_in_vllm`: `python -m trainer eval --engine vllm` in that interpreter, on the end-of-training
+evaluation's prompts and numbers); a lossy output or a prompt beyond evaluation.vllm_tolerance fails the run
+(exit 1), naming the prompts.
+
 `--resume RUN_DIR` continues RUN_DIR from its newest complete checkpoint (config: --config, else
 RUN_DIR/config.json). Exit codes: 0 done; 2 bad config, layout or data, or nothing to resume (the message
 says what to fix); the root-cause rank's exit code (1 when it was killed by a signal); 128 + N when this
