@@ -320,6 +320,8 @@ def test_a_run_that_ended_with_a_child_left_is_stopped_not_already_ended(local_t
     result, events = stop(local_target.workdir, res.run_id, grace_s=2, requested_by=WHO)
     assert result["signals"] == ["SIGINT", "SIGTERM"] and not result["already_ended"]
     assert not alive(child) and result["exit"]["exit_code"] == 0
+    # its state is its own recorded end: a stop.json written after exit.json came too late to stop the run
+    assert result["state"] == "succeeded"
 
 
 def test_before_the_pid_file_the_panes_whole_group_is_counted_and_named(local_target):
@@ -336,6 +338,7 @@ def test_before_the_pid_file_the_panes_whole_group_is_counted_and_named(local_ta
     sending = [e["message"] for e in events if e.get("message", "").startswith("sending")]
     assert sending[0] == f"sending SIGINT to run {run_id} (process group {pane}; 3 process(es) left)"
     assert runprocs.group_members(pane) == []
+    assert result["session"] == session_name("early2")
 
 
 def test_a_gone_run_and_an_unknown_one_are_answered_as_stop_events_and_with_the_fix(local_target):
@@ -353,3 +356,42 @@ def test_a_gone_run_and_an_unknown_one_are_answered_as_stop_events_and_with_the_
     with pytest.raises(AgentFailure) as info:
         stop(local_target.workdir, "nope-2")
     assert info.value.fix == "dflashctl status"
+
+
+# STUBBORN, with a process outside the run (no marker, its own session) holding the log's pipe for 6 s: far
+# longer than the stop's steps take, shorter than its 10 s wait for exit.json after SIGKILL.
+SLOWER_LOG = SLOW_LOG[:2] + [SLOW_LOG[2].replace("'sleep', '3'", "'sleep', '6'")]
+
+
+def test_after_sigkill_the_stop_waits_for_exit_json_while_the_wrapper_lives(local_target):
+    assert "'sleep', '6'" in SLOWER_LOG[2]
+    res = launch(local_target, spec("slower", SLOWER_LOG))
+    ready(Path(res.run_dir))
+    result, _ = stop(local_target.workdir, res.run_id, grace_s=0.3, requested_by=WHO)
+    assert result["signals"] == ["SIGINT", "SIGTERM", "SIGKILL"]
+    assert result["exit"] is not None and result["exit"]["signal"] == "SIGKILL"
+
+
+@pytest.mark.skipif(not (FREEZER / "cgroup.procs").exists() or os.geteuid() != 0,
+                    reason="needs root and cgroup v1's freezer (a frozen task does not die of SIGKILL until thawed)")
+def test_a_failed_stop_gives_the_ps_command_for_its_pids_and_the_signals_it_sent(local_target, monkeypatch):
+    monkeypatch.setattr(stopping, "_AFTER_KILL_S", 1.0)
+    res = launch(local_target, spec("frozen2", STUBBORN))
+    run_dir = Path(res.run_dir)
+    ready(run_dir)
+    pid = int((run_dir / "pid").read_text())
+    cg = FREEZER / f"dflash-test2-{os.getpid()}"
+    cg.mkdir()
+    try:
+        (cg / "cgroup.procs").write_text(str(pid))
+        (cg / "freezer.state").write_text("FROZEN")
+        wait_for(lambda: (cg / "freezer.state").read_text().strip() == "FROZEN", what="frozen")
+        with pytest.raises(AgentFailure) as info:
+            stop(local_target.workdir, res.run_id, grace_s=0.2, requested_by=WHO)
+        err = info.value
+        assert err.fix == f"check `nvidia-smi` and `ps -o pid,pgid,stat,cmd -p {pid}` in the target"
+        assert err.data == {"pids": [pid], "signals": ["SIGINT", "SIGTERM", "SIGKILL"]}
+    finally:
+        (cg / "freezer.state").write_text("THAWED")
+        wait_for(lambda: not alive(pid), what="the thawed process to die of its pending SIGKILL")
+        (cg / "cgroup.procs").read_text() or cg.rmdir()
