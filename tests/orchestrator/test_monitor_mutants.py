@@ -121,3 +121,11 @@ def test_log_bytes_alone_re_arm_the_hang_check():
     assert det.feed(25, 2, 1, True) == []
     assert det.feed(50, 2, 1, True) == []
     assert [a.detail["silent_seconds"] for a in det.feed(55, 2, 1, True)] == [30]
+
+
+def test_any_baseline_above_zero_is_a_baseline():
+    det = ThroughputRegression(None)
+    det.set_baseline(0.5)  # a slow run (a tiny CPU run's first steps) is still a baseline
+    assert det.baseline == 0.5 and det.threshold == pytest.approx(0.35)
+    det.set_baseline({"tokens_per_s": 1})
+    assert det.baseline == 1.0
