@@ -110,10 +110,12 @@ def _hf_model(target: Any) -> Any:
     raise TypeError(f"{type(target).__name__} has no `generate` and wraps no HF model (hf / hf_model / model)")
 
 
-def greedy_generate(
+def hf_greedy_batch(
     target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int, batch_size: int = 32
 ) -> list[list[int]]:
-    """Greedy continuations of token prompts (HF generate), cut at the first end-of-sequence token (excluded).
+    """Greedy continuations of many token prompts with a transformers model's generate, cut at the first
+    end-of-sequence token (excluded): the regenerated responses. (trainer.evaluate.greedy_generate is τ's
+    reference: one prompt through the trainer's TargetModel, its stop token included.)
 
     Batches are left-padded (with an attention mask) and sorted by length so padding stays small.
 
@@ -172,7 +174,7 @@ class HFEngine:
         return cls(model, tok, spec.max_new_tokens, spec.batch_size)
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[Completion]:
-        new = greedy_generate(self.model, prompts, self.max_new_tokens, self.eos, self.pad, self.batch_size)
+        new = hf_greedy_batch(self.model, prompts, self.max_new_tokens, self.eos, self.pad, self.batch_size)
         return [Completion(self.tokenizer.decode(t, skip_special_tokens=False), len(t)) for t in new]
 
 

@@ -564,7 +564,9 @@ def evaluate_export(
 
 @torch.no_grad()
 def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_token_ids: list[int] | None = None) -> list[int]:
-    """Plain greedy decoding of the target with its KV cache (the lossless reference)."""
+    """Plain greedy decoding of one prompt by the trainer's TargetModel with its KV cache, up to and including
+    the first stop token: the lossless reference τ's decoding must reproduce. (trainer.engines.hf_greedy_batch
+    is the regeneration's: many prompts through transformers' generate, the end-of-sequence token cut.)"""
     stop = set(stop_token_ids or [])
     cache = target.new_cache()
     ids = torch.tensor([prompt], device=target.device)

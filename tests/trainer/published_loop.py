@@ -20,7 +20,7 @@ import transformers
 from transformers import AutoModel, DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from trainer.config import ModelConfig
-from trainer.engines import greedy_generate as batched_greedy
+from trainer.engines import hf_greedy_batch as batched_greedy
 from trainer.evaluate import acceptance_length, greedy_generate, load_export
 from trainer.export import export_drafter
 from trainer.features import TargetModel

@@ -21,7 +21,7 @@ from trainer.data import (
     tokenize,
     tokenize_conversation,
 )
-from trainer.engines import greedy_generate, regenerate
+from trainer.engines import hf_greedy_batch, regenerate
 from trainer.tiny import build_target_model, build_tokenizer
 
 CFG = TinyTargetConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=8, num_prompts=8, held_out=2)
@@ -127,10 +127,30 @@ def test_regenerated_responses_are_the_targets_greedy_tokens(tok):
         ids, mask = tokenize_conversation(tok, c.messages)
         start = mask.index(1)
         prompt = ids[:start]
-        greedy = greedy_generate(model, [prompt], 12, {tok.eos_token_id}, tok.pad_token_id)[0]
+        greedy = hf_greedy_batch(model, [prompt], 12, {tok.eos_token_id}, tok.pad_token_id)[0]
         # Re-templating the decoded text gives back exactly the target's tokens (+ end of turn).
         assert ids[start : start + len(greedy)] == greedy
         assert ids[start + len(greedy)] == tok.eos_token_id
+
+
+def test_the_two_greedy_decoders_give_the_same_tokens_and_differ_in_the_stop_token_only(tok):
+    """engines.hf_greedy_batch (many prompts, left-padded, through transformers' generate: the stop token cut, the
+    regenerated response) and evaluate.greedy_generate (one prompt through the trainer's TargetModel and its KV
+    cache: the stop token kept, τ's lossless reference) decode the same tokens of the same target."""
+    from trainer.evaluate import greedy_generate
+    from trainer.features import TargetModel
+    from trainer.tiny import generate_prompts
+
+    model = build_target_model(CFG, tok).eval()
+    prompts = [tok(p)["input_ids"] for p in generate_prompts(CFG)[:3]]
+    assert len({len(p) for p in prompts}) > 1  # prompts of different lengths: the batch is left-padded
+    free = hf_greedy_batch(model, prompts, 10, set(), tok.pad_token_id)
+    target = TargetModel(model, [1])
+    assert [greedy_generate(target, p, 10) for p in prompts] == free and all(len(t) == 10 for t in free)
+    stop = next(t for t in free[0][3:] if free[0].index(t) >= 3)  # a token the target says at step >= 3
+    cut = free[0].index(stop)
+    assert hf_greedy_batch(model, prompts, 10, {stop}, tok.pad_token_id)[0] == free[0][:cut]
+    assert greedy_generate(target, prompts[0], 10, [stop]) == free[0][: cut + 1]
 
 
 def test_packing_never_exceeds_budget_or_row_length():
