@@ -24,27 +24,7 @@ from dataclasses import dataclass
 
 from orchestrator.errors import DflashError
 from orchestrator.inventory_file import CONTAINER_HOME, CONTAINER_WORKDIR, PCT, read_inventory
-
-# The HostSpec fields the connection depends on (the others say how to run pct).
-FIELDS = ("ssh", "port", "user", "identity_file", "known_hosts")
-
-
-@dataclass(frozen=True)
-class HostKey:
-    """What an SSHTransport is made from: the host's inventory name and its connection fields."""
-
-    name: str
-    ssh: str
-    port: int | None = None
-    user: str | None = None
-    identity_file: str | None = None
-    known_hosts: str | None = None
-
-    @classmethod
-    def of(cls, name: str, host) -> "HostKey":
-        """The key of an inventory HostSpec (or anything with the FIELDS as attributes)."""
-        return cls(name, *(getattr(host, f) for f in FIELDS))
-
+from orchestrator.transport.ssh import SETTINGS, SSHSettings
 
 @dataclass(frozen=True)
 class EarlyAgent:
@@ -64,7 +44,7 @@ class EarlyConnection:
     """One background connection attempt (and agent call, when `agent` is given); `take` and `take_agent`
     hand them over once (see the module docstring)."""
 
-    def __init__(self, key: HostKey, agent: EarlyAgent | None = None):
+    def __init__(self, key: SSHSettings, agent: EarlyAgent | None = None):
         self.key = key
         self.agent = agent
         self._transport = None
@@ -82,9 +62,7 @@ class EarlyConnection:
             return
         finally:
             self.prepared.set()
-        from orchestrator.target import ssh_transport
-
-        transport = ssh_transport(self.key, self.key.name)
+        transport = self.key.transport()
         try:
             transport.connect()
         except BaseException as exc:  # handed to the main thread by take()
@@ -124,12 +102,12 @@ class EarlyConnection:
 
     def take(self, name: str, host):
         """The connected SSHTransport if it was made for host `name` with `host`'s connection fields (an
-        inventory HostSpec, or a HostKey), else None (and it is closed).
+        inventory HostSpec, or SSHSettings), else None (and it is closed).
 
         Raises:
             DflashError: the connection for `key` failed (ConnectError, HostKeyError) in the thread.
         """
-        key = HostKey.of(name, host)
+        key = SSHSettings.of(name, host)
         self._thread.join()
         transport, error = self._transport, self._error
         self._transport = self._error = None
@@ -185,7 +163,7 @@ def _early_agent(verb: str, target: str, spec: dict, host: dict) -> EarlyAgent |
 
 
 def _host_key(inventory: str | None, target: str | None, experiment: str | None):
-    """(HostKey, target name, raw target entry, raw host entry) of the container target, else None."""
+    """(SSHSettings, target name, raw target entry, raw host entry) of the container target, else None."""
     try:
         import yaml
 
@@ -197,10 +175,10 @@ def _host_key(inventory: str | None, target: str | None, experiment: str | None)
             return None
         name = spec["host"]
         host = raw["hosts"][name]
-        key = HostKey(name, *(host.get(f) for f in FIELDS))
+        key = SSHSettings(name, *(host.get(f) for f in SETTINGS))
     except Exception:  # noqa: BLE001 - any surprise: no early connection, validation will say what is wrong
         return None
-    if not isinstance(key.ssh, str) or not all(isinstance(getattr(key, f), (str, type(None))) for f in FIELDS[2:]):
+    if not isinstance(key.ssh, str) or not all(isinstance(getattr(key, f), (str, type(None))) for f in SETTINGS[2:]):
         return None
     if key.port is not None and (not isinstance(key.port, int) or isinstance(key.port, bool)):
         return None

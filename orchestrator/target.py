@@ -12,10 +12,14 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from orchestrator.errors import AgentError, RemoteCommandError
 from orchestrator.agent import events
 from orchestrator.transport.base import Result, Started, Transport
+
+if TYPE_CHECKING:
+    from orchestrator.transport.pvehost import PveHost
 
 EventCallback = Callable[[events.Event], None]
 
@@ -183,7 +187,9 @@ def tmux_attach_argv(session: str, read_only: bool = False) -> list[str]:
 @dataclass
 class LocalTarget(BaseTarget):
     """A directory on this machine. The agent runs with `python` (the venv profile's interpreter, by default
-    the workstation's own) from this source tree, so no bundle is needed."""
+    the workstation's own) from this source tree, so no bundle is needed: the transport open_target gives
+    it runs every command with this tree on PYTHONPATH (local_env). The agent call runs through the target's
+    transport like any command."""
 
     python: str = sys.executable
 
@@ -199,25 +205,13 @@ class LocalTarget(BaseTarget):
             return ["tmux", "switch-client", "-t", "=" + session]
         return tmux_attach_argv(session, read_only)
 
-    def _run_agent(self, verb, payload, stream, timeout):
-        from orchestrator.bundle import source_root
-
-        import os
-
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(source_root()) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env["DFLASHCTL_WORKDIR"] = self.workdir
-        env["PYTHONUNBUFFERED"] = "1"
-        from orchestrator.transport.local import LocalTransport
-
-        runner = self.transport if not isinstance(self.transport, LocalTransport) else LocalTransport(env=env)
-        return runner.run(self.agent_argv(verb), stdin=payload, timeout=timeout, on_stdout=stream.feed)
-
 
 @dataclass
 class ContainerTarget(BaseTarget):
-    """An LXC container: `transport` is a PctTransport (pct exec CTID -- argv over SSH)."""
+    """An LXC container: `transport` is a PctTransport (pct exec CTID -- argv over SSH); `host` its Proxmox
+    host's pct verbs and their printed forms (transport.pvehost.PveHost), for doctor and its fixes."""
 
+    host: PveHost | None = field(default=None, repr=False)
     home: str = "/root"
     pushes: int = 0  # agent calls that carried the bundle inline (tests and benchmarks)
     # An agent call started before the request was ready (start_agent, by orchestrator.preconnect): the next
@@ -247,50 +241,6 @@ class ContainerTarget(BaseTarget):
         inner = with_env({**self.env(), "TERM": os.environ.get("TERM") or "xterm-256color"},
                          tmux_attach_argv(session, read_only))
         return self.transport.interactive_argv(inner)
-
-    # ---- what doctor asks of the host, around the container (each a host-side pct call)
-
-    def container_state(self) -> str:
-        """`running`, `stopped`, ... from `pct status CTID`.
-
-        Raises:
-            ConnectError / HostKeyError: the host cannot be reached; ContainerMissing and other PctErrors.
-        """
-        return self.transport.status()
-
-    def container_config(self) -> str:
-        """The text of `pct config CTID` (readable while the container is stopped too).
-
-        Raises:
-            PctError: pct failed.
-        """
-        return self.transport.pct_command("config").stdout.decode("utf-8", errors="replace")
-
-    def pct_line(self, verb: str, *args: str) -> str:
-        """`pct VERB CTID args` on the host as the user pastes it (`ssh ... pct ...`)."""
-        from orchestrator.transport.pct import pct_argv
-
-        t = self.transport
-        return t.host_command_line(pct_argv(t.ctid, verb, *args, pct=t.pct, sudo=t.sudo))
-
-    def pct_words(self, verb: str) -> str:
-        """`pct VERB CTID` as it runs on the host (no ssh): what a check reports as answered."""
-        from orchestrator.quoting import render
-        from orchestrator.transport.pct import pct_argv
-
-        t = self.transport
-        return render(pct_argv(t.ctid, verb, pct=t.pct, sudo=t.sudo))
-
-    def pct_list_line(self) -> str:
-        """`pct list` on the host as the user pastes it (it lists the containers)."""
-        from orchestrator.transport.pct import pct_prefix
-
-        t = self.transport
-        return t.host_command_line([*pct_prefix(t.pct, t.sudo), "list"])
-
-    def host_line(self, argv: list[str]) -> str:
-        """A host argv as the user pastes it: ssh with the inventory's settings."""
-        return self.transport.host_command_line(argv)
 
     def command_line(self, argv: list[str]) -> str:
         """`argv` inside the container as the user pastes it (`ssh ... pct exec CT -- argv`)."""
@@ -395,7 +345,7 @@ class ContainerTarget(BaseTarget):
         started, self.started = self.started, None
         if started is None:
             return None
-        if started.argv == self.transport.exec_argv(argv):
+        if started.argv == argv and started.where == self.transport.name:
             return started
         self.transport.discard(started)
         return None
@@ -442,11 +392,14 @@ def open_target(inv, name: str, early=None) -> BaseTarget:
     spec = inv.target(name)
     if isinstance(spec, ContainerTargetSpec):
         host = inv.host(spec.host)
-        ssh = None
-        if early is not None:
-            ssh = early.take(spec.host, host)
-        target = container_target(name, spec, host, ssh or ssh_transport(host, spec.host))
-        if ssh is not None:
+        ssh = early.take(spec.host, host) if early is not None else None
+        taken = ssh is not None
+        if ssh is None:
+            from orchestrator.transport.ssh import SSHSettings  # lazily: the CLI's --help never loads it
+
+            ssh = SSHSettings.of(spec.host, host).transport()
+        target = container_target(name, spec, host, ssh)
+        if taken:
             target.started = early.take_agent()  # used only if it runs exactly what the next agent call would
         return target
 
@@ -466,34 +419,26 @@ def open_target(inv, name: str, early=None) -> BaseTarget:
             python = str(venv_python)
     from orchestrator.transport.local import LocalTransport
 
-    return LocalTarget(name=name, workdir=str(workdir), transport=LocalTransport(), python=python)
+    return LocalTarget(name=name, workdir=str(workdir), transport=LocalTransport(env=local_env()), python=python)
 
 
-def ssh_transport(host, name: str | None = None):
-    """An SSHTransport for an inventory HostSpec named `name` (imported lazily: paramiko is heavy).
-
-    `ssh` is either an ~/.ssh/config alias or a plain hostname; handing it as both lets the SSH layer apply
-    any matching ~/.ssh/config block (as `ssh NAME` would), with the explicit fields overriding it.
-    """
+def local_env() -> dict[str, str]:
+    """The environment of a local target's commands: this one, with this source tree first on PYTHONPATH (a
+    venv's interpreter finds the agent there) and unbuffered output (events stream as they are written)."""
     import os
 
-    from orchestrator.transport.ssh import SSHTransport
+    from orchestrator.bundle import source_root
 
-    return SSHTransport(
-        host.ssh,
-        port=host.port or 22,
-        user=host.user,
-        identity_file=os.path.expanduser(host.identity_file) if host.identity_file else None,
-        known_hosts=os.path.expanduser(host.known_hosts) if host.known_hosts else None,
-        ssh_config_alias=host.ssh,
-        name=name,
-    )
+    path = os.pathsep.join(p for p in (str(source_root()), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
 def container_target(name: str, spec, host, ssh) -> "ContainerTarget":
     """A ContainerTarget for an inventory ContainerTargetSpec whose pct calls ride on `ssh` (a Transport
     to the Proxmox host; several callers may share one connection)."""
     from orchestrator.transport.pct import PctTransport
+    from orchestrator.transport.pvehost import PveHost
 
     transport = PctTransport(ssh, spec.ctid, pct=host.pct, sudo=host.sudo)
-    return ContainerTarget(name=name, workdir=spec.workdir, transport=transport, home=spec.home)
+    return ContainerTarget(name=name, workdir=spec.workdir, transport=transport, home=spec.home,
+                           host=PveHost(ssh, spec.ctid, pct=host.pct, sudo=host.sudo))

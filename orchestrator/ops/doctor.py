@@ -295,34 +295,34 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
     try:
         # 1. ssh + host key + pct: the first host-side call (`pct status`) proves all three.
         try:
-            state = target.container_state()
+            state = target.host.status()
         except HostKeyError as exc:
             rep.add("ssh reachable", SKIP, f"{host.ssh} answered, but its host key is not trusted")
             rep.add("host key known", FAIL, exc.message, exc.fix or f"dflashctl trust {spec.host}")
             return _skip_rest(rep, "needs ssh")
         except ConnectError as exc:
             rep.add("ssh reachable", FAIL, exc.message,
-                    exc.fix or f"check that `{target.host_line(['true'])}` works (hosts.{spec.host} in {inv.source})")
+                    exc.fix or f"check that `{target.host.host_line(['true'])}` works (hosts.{spec.host} in {inv.source})")
             return _skip_rest(rep, "needs ssh")
         except ContainerMissing as exc:
             _ssh_ok(rep, host)
-            rep.add("pct present", OK, f"{target.pct_words('status')} answered")
+            rep.add("pct present", OK, f"{target.host.words('status')} answered")
             rep.add("container running", FAIL, exc.message,
-                    f"fix targets.{name}.ctid in {inv.source} (`{target.pct_list_line()}` lists the containers)")
+                    f"fix targets.{name}.ctid in {inv.source} (`{target.host.list_line()}` lists the containers)")
             return _skip_rest(rep, "needs the container")
         except PctError as exc:  # PctNotFound, SudoRequired, or pct failing some other way
             _ssh_ok(rep, host)
             rep.add("pct present", FAIL, exc.message, exc.fix)
             return _skip_rest(rep, "needs pct")
         _ssh_ok(rep, host)
-        rep.add("pct present", OK, f"{target.pct_words('status')} answered")
+        rep.add("pct present", OK, f"{target.host.words('status')} answered")
 
         # 2. container state (host side).
         running = state == "running"
         if running:
             rep.add("container running", OK, f"CT {ctid}: {state}")
         else:
-            rep.add("container running", FAIL, f"CT {ctid} is {state}", target.pct_line("start"))
+            rep.add("container running", FAIL, f"CT {ctid} is {state}", target.host.line("start"))
 
         # 3 and 4 at once over the one SSH connection (each pct call pays pct's Perl start-up):
         # the GPU devices in the container config (host side; readable while stopped too) and, when the
@@ -332,7 +332,7 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
             inside = DoctorReport(name, "container")
             if running:
                 _ping(inside, target, "container", target.command_line, min_free_gib, _venv_profile(inv, spec))
-            _gpu_device_check(rep, config.result(), ctid, target.pct_line)
+            _gpu_device_check(rep, config.result(), ctid, target.host.line)
         rep.checks.extend(inside.checks)
         rep.ping = inside.ping
         if not running:
@@ -345,7 +345,7 @@ def _doctor_container(inv, name: str, spec, min_free_gib: float) -> DoctorReport
 def _pct_config(target) -> str | PctError:
     """`pct config CTID` text, or the PctError it raised (returned, to be reported in order)."""
     try:
-        return target.container_config()
+        return target.host.config_text()
     except PctError as exc:
         return exc
 

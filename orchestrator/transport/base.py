@@ -1,6 +1,9 @@
-"""The transport protocol: run an argv somewhere, with stdin, streaming and a timeout, get a Result.
+"""The transport protocol: run an argv somewhere, with stdin, streaming and a timeout, get a Result; or start it
+now and finish it later (the request is not ready yet: the agent's early start).
 
-Local and SSH are peers; the pct layer only wraps its parent's argv (pct exec CTID -- argv).
+`Transport` is the whole contract; every transport implements all of it, and `run` is `finish(start(argv))`
+in each, so the early start is not a second path. Local and SSH are peers; the pct layer only wraps its
+parent's argv (pct exec CTID -- argv) and lets the parent start, finish and discard it.
 """
 
 from __future__ import annotations
@@ -61,14 +64,43 @@ class Started:
     (feeds stdin, streams the output, returns the Result) and `discard` drops it unfinished."""
 
     argv: list[str]
-    handle: Any = field(repr=False)  # the transport's own: an SSH channel, or the parent's Started
+    """The argv as given to the transport that started it."""
+    handle: Any = field(repr=False)  # the transport's own: a process, an SSH channel, or the parent's Started
     at: float = 0.0  # time.monotonic() when it was started
+    where: str = ""
+    """The `name` of the transport that started it (a container's names its host and CTID)."""
 
 
 class Transport(Protocol):
     """Where a command runs. Implementations: LocalTransport, SSHTransport, PctTransport (wraps a parent)."""
 
     name: str
+
+    def start(self, argv: Sequence[str]) -> Started:
+        """Start argv and return at once, its stdin still open (what it writes meanwhile waits in the pipe or
+        the channel's window). `finish` completes it, `discard` drops it.
+
+        Raises:
+            ConnectError: the transport cannot reach the place.
+        """
+        ...
+
+    def finish(
+        self,
+        started: Started,
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        on_stdout: StreamCallback | None = None,
+        on_stderr: StreamCallback | None = None,
+    ) -> Result:
+        """Feed a started command its stdin, stream its output, wait for its exit (as `run`; the timeout
+        counts from now)."""
+        ...
+
+    def discard(self, started: Started) -> None:
+        """Drop a started command unfinished: its stdin reads end-of-file (the agent then runs nothing)."""
+        ...
 
     def run(
         self,
@@ -79,7 +111,7 @@ class Transport(Protocol):
         on_stdout: StreamCallback | None = None,
         on_stderr: StreamCallback | None = None,
     ) -> Result:
-        """Run argv to completion.
+        """Run argv to completion: `finish(start(argv), ...)`.
 
         Args:
             argv: the command; never a shell string.

@@ -176,7 +176,7 @@ class PctTransport:
         on_stdout: StreamCallback | None = None,
         on_stderr: StreamCallback | None = None,
     ) -> Result:
-        """Run argv in the container: one `pct exec` on the host.
+        """Run argv in the container: one `pct exec` on the host (finish(start(argv))).
 
         Returns:
             The command's Result (its own exit code, 0 or not; 128+signo when a signal killed it).
@@ -184,19 +184,17 @@ class PctTransport:
             ContainerStopped, ContainerMissing, PctNotFound, SudoRequired: pct could not run it.
             ConnectError, CommandTimeout: from the parent transport.
         """
-        return self._checked(self.parent.run(self.exec_argv(argv), stdin=stdin,
-                                              timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr))
+        return self.finish(self.start(argv), stdin=stdin, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr)
 
     def start(self, argv: Sequence[str]) -> Started:
-        """Start argv in the container (one `pct exec` on the host), its stdin still open: `finish` completes
-        it. The parent must start commands too (an SSHTransport does). The Started's argv is the host's
-        (exec_argv), so a caller can tell which container and command it is.
+        """Start argv in the container (one `pct exec` on the host through the parent's start), its stdin still
+        open: `finish` completes it. The Started names this container (`where`) and keeps `argv` as given.
 
         Raises:
             ConnectError: from the parent transport.
         """
-        host_argv = self.exec_argv(argv)
-        return Started(host_argv, self.parent.start(host_argv))
+        inner = self.parent.start(self.exec_argv(argv))
+        return Started(list(argv), inner, inner.at, self.name)
 
     def exec_argv(self, argv: Sequence[str]) -> list[str]:
         """The host argv that runs `argv` in this container (`[sudo -n] pct exec CTID --keep-env 0 -- argv`)."""
@@ -229,8 +227,7 @@ class PctTransport:
 
     def host_command_line(self, argv: Sequence[str]) -> str:
         """A host argv as the user pastes it: through the parent (`ssh ...`), or bare on the host itself."""
-        line = getattr(self.parent, "command_line", None)
-        return line(argv) if line is not None else shlex.join(argv)
+        return self.parent.command_line(argv)
 
     def command_line(self, argv: Sequence[str]) -> str:
         """`argv` inside the container as the user pastes it: `pct exec CT -- argv` on the host."""
@@ -248,46 +245,6 @@ class PctTransport:
         if openssh is None:
             raise UserError(f"no interactive ssh to container {self.ctid}: it is reached without ssh")
         return openssh(pct_exec_argv(self.ctid, argv, self.pct, self.sudo), tty=True, strict=True)
-
-    def pct_command(self, verb: str, *args: str, timeout: float | None = 120) -> Result:
-        """Run `pct VERB CTID args...` on the host (status/start/stop/config).
-
-        Raises:
-            The typed PctError when classified; PctError for any other failure of pct.
-        """
-        res = self.parent.run(pct_argv(self.ctid, verb, *args, pct=self.pct, sudo=self.sudo), timeout=timeout)
-        res.where = self.parent.name if hasattr(self.parent, "name") else "host"
-        err = classify(res, self.ctid, self.host, self.pct, self.sudo, self.host_command_line)
-        if err is not None:
-            raise err
-        if res.exit_code != 0:
-            # pct's own words (its exit code is a Perl die's 255 whatever went wrong)
-            said = (res.stderr or res.stderr_tail).decode("utf-8", errors="replace").strip()
-            said = "; ".join(line.strip() for line in said.splitlines()[-3:] if line.strip())
-            raise PctError(f"`{self.pct} {verb} {self.ctid}` failed on {self.host}: {said or 'no message'} "
-                           f"(exit {res.exit_code})", result=res)
-        return res
-
-    def status(self) -> str:
-        """`running`, `stopped` (or whatever pct reports) from `pct status CTID`.
-
-        Raises:
-            ContainerMissing and the other PctErrors.
-        """
-        text = self.pct_command("status").stdout.decode("utf-8", errors="replace")
-        m = re.search(r"(?m)^status:\s*(\S+)", text)
-        if not m:
-            raise PctError(f"unexpected `pct status {self.ctid}` output on {self.host}: {text.strip()[:200]!r}")
-        return m.group(1)
-
-    def config(self) -> dict[str, str]:
-        """`pct config CTID` as a dict (raw `lxc.*` keys keep their last value)."""
-        out = {}
-        for line in self.pct_command("config").stdout.decode("utf-8", errors="replace").splitlines():
-            key, sep, value = line.partition(":")
-            if sep:
-                out[key.strip()] = value.strip()
-        return out
 
     def close(self) -> None:
         self.parent.close()

@@ -13,22 +13,19 @@ Host keys: known_hosts is the truth (see hostkeys.py); fabric's default AutoAddP
 
 from __future__ import annotations
 
-import logging
 import math
+import os
 import shlex
 import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from orchestrator.errors import ConnectError, HostKeyError
 from orchestrator.names import is_ssh_word
 from orchestrator.transport.base import CommandTimeout, Result, Started, StreamCallback
 from orchestrator.quoting import render
-
-# paramiko logs handshake failures at ERROR; without a handler Python prints them on stderr next to
-# our own readable message. The exception carries the same text.
-logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 _CHUNK = 32768
 _TAIL = 16384
@@ -40,7 +37,13 @@ EXIT_STATUS_GRACE_S = 30.0
 
 
 def import_ssh_stack() -> None:
-    """Import what opening a connection needs (fabric, paramiko, host keys), e.g. on a thread started early."""
+    """Import what opening a connection needs (fabric, paramiko, host keys), e.g. on a thread started early.
+    Imported here, not with this module: a command that reaches no host never pays for them."""
+    import logging
+
+    # paramiko logs handshake failures at ERROR; without a handler Python prints them on stderr next to
+    # our own readable message. The exception carries the same text.
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())
     import fabric  # noqa: F401
 
     from orchestrator.transport import hostkeys  # noqa: F401
@@ -97,6 +100,45 @@ def paste_line(argv: Sequence[str]) -> str:
     if all(w and shlex.quote(w) == w for w in words):
         return f"{shlex.join(local)} {remote}"
     return shlex.join(argv)
+
+
+# The inventory HostSpec fields a connection depends on (the others say how to run pct).
+SETTINGS = ("ssh", "port", "user", "identity_file", "known_hosts")
+
+
+@dataclass(frozen=True)
+class SSHSettings:
+    """A connection's settings, as the inventory gives them for a host: what an SSHTransport is made from.
+    Two commands whose settings are equal may share one connection (orchestrator.preconnect).
+
+    `ssh` is either an ~/.ssh/config alias or a plain hostname; handing it as both lets the SSH layer apply
+    any matching ~/.ssh/config block (as `ssh NAME` would), with the explicit fields overriding it.
+    """
+
+    name: str
+    """The host's name in the inventory (for messages such as `dflashctl trust NAME`)."""
+    ssh: str
+    port: int | None = None
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None
+
+    @classmethod
+    def of(cls, name: str, host) -> "SSHSettings":
+        """The settings of an inventory HostSpec (or anything with the SETTINGS as attributes)."""
+        return cls(name, *(getattr(host, f) for f in SETTINGS))
+
+    def transport(self) -> "SSHTransport":
+        """An SSHTransport with these settings (not connected yet)."""
+        return SSHTransport(
+            self.ssh,
+            port=self.port or 22,
+            user=self.user,
+            identity_file=os.path.expanduser(self.identity_file) if self.identity_file else None,
+            known_hosts=os.path.expanduser(self.known_hosts) if self.known_hosts else None,
+            ssh_config_alias=self.ssh,
+            name=self.name,
+        )
 
 
 class SSHTransport:
@@ -158,6 +200,7 @@ class SSHTransport:
     # ------------------------------------------------------------------------------------ connection
 
     def _make_connection(self):
+        import_ssh_stack()
         import fabric
 
         from orchestrator.transport import hostkeys

@@ -12,7 +12,7 @@ import pytest
 from orchestrator import preconnect
 from orchestrator.errors import HostKeyError
 from orchestrator.inventory import load_inventory
-from orchestrator.preconnect import HostKey
+from orchestrator.transport.ssh import SSHSettings
 from orchestrator.target import open_target
 
 
@@ -33,7 +33,7 @@ def write_inv(tmp_path: Path, host: dict, ctid: int = 990, workdir: str = "/root
 def test_the_early_connection_is_the_one_the_target_uses(fake_pve, tmp_path):
     path = write_inv(tmp_path, fake_pve.host_entry())
     early = preconnect.start(str(path), None, "e")  # the experiment's target, found in the raw YAML
-    assert early is not None and early.key == HostKey.of("pve", load_inventory(path).host("pve"))
+    assert early is not None and early.key == SSHSettings.of("pve", load_inventory(path).host("pve"))
     tgt = open_target(load_inventory(path), "ct", early)
     try:
         ssh = tgt.transport.parent
@@ -57,8 +57,8 @@ def test_a_local_target_or_an_unreadable_inventory_starts_nothing(fake_pve, tmp_
 def test_a_connection_made_for_other_settings_is_closed_not_used(fake_pve, tmp_path):
     path = write_inv(tmp_path, fake_pve.host_entry())
     early = preconnect.start(str(path), "ct")
-    other = HostKey.of("pve", load_inventory(path).host("pve"))
-    other = HostKey(other.name, other.ssh, other.port, "someoneelse", other.identity_file, other.known_hosts)
+    other = SSHSettings.of("pve", load_inventory(path).host("pve"))
+    other = SSHSettings(other.name, other.ssh, other.port, "someoneelse", other.identity_file, other.known_hosts)
     assert early.take(other.name, other) is None
     assert early.take(early.key.name, early.key) is None  # handed over (here: closed) once
 
@@ -85,7 +85,7 @@ def test_status_of_a_container_named_on_the_command_line_connects_early(fake_pve
     seen = []
 
     def fake_status_of(inv, target, *, limit=20, early=None):
-        seen.append((target, early is not None and early.key == HostKey.of("pve", inv.host("pve")),
+        seen.append((target, early is not None and early.key == SSHSettings.of("pve", inv.host("pve")),
                      early.agent.verb if early is not None and early.agent is not None else None))
         raise SystemExit(0)
 

@@ -154,3 +154,43 @@ def test_abort_cuts_a_call_in_progress_and_the_next_call_reconnects(pve):
     finally:
         t.close()
         pve.remove_container(343)
+
+
+def test_a_local_agent_call_runs_through_the_targets_own_transport(tmp_path):
+    # No second path for the local target: the agent call is the transport's start and finish, with the
+    # environment the transport was made with (open_target's local_env).
+    class Counting(LocalTransport):
+        def __init__(self):
+            super().__init__()
+            self.started: list[list[str]] = []
+
+        def start(self, argv):
+            self.started.append(list(argv))
+            return super().start(argv)
+
+    transport = Counting()
+    t = LocalTarget(name="here", workdir=str(tmp_path), transport=transport)
+    answer = t.agent("echo", {"x": 1})
+    assert answer["request"]["x"] == 1 and answer["python"] == sys.executable
+    assert transport.started == [[sys.executable, "-m", "orchestrator.agent", "echo"]]
+
+
+def test_a_container_targets_host_verbs_and_their_printed_lines(pve):
+    # What doctor asks the host, and prints as fixes, is the target's `host` (transport.pvehost.PveHost).
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.target import open_target
+
+    pve.create_container(343, gpus=1)
+    inv = parse_inventory("hosts:\n  pve: " + __import__("json").dumps(pve.host_entry()) + "\n"
+                          "targets:\n  ct: {kind: container, host: pve, ctid: 343, venv: sys}\n"
+                          "venvs:\n  sys: {kind: system}\n")
+    t = open_target(inv, "ct")
+    try:
+        assert t.host.status() == "running" and t.host.config()["dev0"] == "/dev/nvidia0"
+        assert t.host.words("status") == "pct status 343"
+        start = t.host.line("start")
+        assert start.startswith("ssh ") and start.endswith(" pct start 343")
+        assert t.host.list_line().endswith(" pct list") and t.host.host_line(["true"]).endswith(" true")
+    finally:
+        t.close()
+        pve.remove_container(343)

@@ -96,3 +96,41 @@ def test_a_timeout_kills_the_whole_process_group_and_keeps_the_output_so_far():
     while not _gone(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(grandchild)
+
+
+def test_a_started_command_waits_for_its_stdin_and_finishes_as_run_would():
+    # The early start of an agent call: the process runs before its request exists, reads it when finish
+    # sends it, and the Result is what run gives.
+    t = LocalTransport()
+    started = t.start(["sh", "-c", "echo started; read line; echo \"got $line\"; exit 3"])
+    assert started.argv[:2] == ["sh", "-c"] and started.where == "local"
+    seen: list[bytes] = []
+    res = t.finish(started, stdin=b"request\n", on_stdout=seen.append)
+    assert res.exit_code == 3 and b"".join(seen) == b"started\ngot request\n" and res.stdout == b""
+
+
+def test_a_discarded_command_reads_end_of_file_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    t = LocalTransport()
+    started = t.start(["sh", "-c", f'read line || exit 0; touch "{marker}"'])
+    t.discard(started)
+    assert started.handle.wait(timeout=30) == 0 and not marker.exists()
+
+
+def test_a_program_that_is_not_there_is_exit_127_through_start_and_finish(tmp_path):
+    t = LocalTransport()
+    res = t.finish(t.start([str(tmp_path / "nothing-here")]), stdin=b"x")
+    assert res.exit_code == 127 and b"command not found" in res.stderr
+
+
+def test_every_transport_implements_the_whole_protocol():
+    # The Transport protocol is the whole contract (start/finish/discard included): each transport has
+    # every method of it, so a target never asks which transport it holds.
+    from orchestrator.transport.base import Transport
+    from orchestrator.transport.pct import PctTransport
+    from orchestrator.transport.ssh import SSHTransport
+
+    wanted = {name for name in vars(Transport) if not name.startswith("_") and callable(getattr(Transport, name))}
+    assert wanted == {"run", "start", "finish", "discard", "command_line", "close"}
+    for cls in (LocalTransport, SSHTransport, PctTransport):
+        assert {name for name in wanted if callable(getattr(cls, name, None))} == wanted, cls.__name__

@@ -8,7 +8,8 @@ import pytest
 from fakehost.strings import HOSTILE, PRINT_ARGV
 from orchestrator.errors import ContainerMissing, ContainerStopped, PctError, PctNotFound, SudoRequired, UserError
 from orchestrator.transport.base import Result
-from orchestrator.transport.pct import classify, pct_argv, pct_exec_argv
+from orchestrator.transport.pct import PctTransport, classify, pct_argv, pct_exec_argv
+from orchestrator.transport.pvehost import PveHost
 from orchestrator.quoting import render
 
 # ------------------------------------------------------------------------------------------ golden (pure)
@@ -96,6 +97,11 @@ def test_classify_uses_the_tail_when_stderr_was_streamed():
 # --------------------------------------------------------------------------------- end to end (real sshd)
 
 
+def host_of(pct: PctTransport) -> PveHost:
+    """The host-side pct verbs of the container `pct` runs in (what doctor asks the host)."""
+    return PveHost(pct.parent, pct.ctid, pct=pct.pct, sudo=pct.sudo)
+
+
 @pytest.fixture(scope="module")
 def ct(fake_pve):
     return fake_pve.create_container(210, gpus=2)
@@ -166,9 +172,9 @@ def test_stopped_container_is_a_typed_error(fake_pve, ct, pct):
     text = str(info.value)
     assert "container 210" in text and "not running" in text and "pct start 210" in text
     assert info.value.result.exit_code == 255
-    assert pct.status() == "stopped"
+    assert host_of(pct).status() == "stopped"
     ct.start()
-    assert pct.status() == "running"
+    assert host_of(pct).status() == "running"
     assert pct.run(["true"]).exit_code == 0
 
 
@@ -180,7 +186,7 @@ def test_missing_container_is_a_typed_error(fake_pve):
         text = str(info.value)
         assert "container 999 does not exist" in text and f"nodes/{fake_pve.node}/lxc/999.conf" in text
         with pytest.raises(ContainerMissing):
-            transport.status()
+            host_of(transport).status()
     finally:
         transport.close()
 
@@ -210,12 +216,12 @@ def test_sudo_without_sudo_on_the_host_is_a_typed_error(fake_pve):
 
 
 def test_pct_config_shows_gpu_devices(pct):
-    conf = pct.config()
+    conf = host_of(pct).config()
     assert conf["dev0"] == "/dev/nvidia0" and conf["dev1"] == "/dev/nvidia1"
     assert conf["hostname"] == "ct210"
 
 
 def test_pct_command_failure_is_pct_error(pct, ct):
-    assert pct.status() == "running"
+    assert host_of(pct).status() == "running"
     with pytest.raises(PctError, match="start 210"):
-        pct.pct_command("start")  # CT 210 already running
+        host_of(pct).pct_command("start")  # CT 210 already running
