@@ -141,6 +141,8 @@ cd -- "$workdir" || fail WorkdirError "cannot enter $workdir" "check the target'
 workdir=$PWD venvs="$PWD/venvs" cur="$PWD/venvs/current"
 tmux_state=unchecked
 if [ "$mode" = build ] && [ "$want_tmux" = 1 ]; then step=tmux; ensure_tmux; fi
+# MODE=tmux: only tmux (a `kind: system` profile: no venv to build, but runs still live in tmux).
+if [ "$mode" = tmux ]; then step=tmux; ensure_tmux; lap tmux; result "\"action\":\"system\",\"tmux\":\"$tmux_state\""; fi
 
 # --- no-op fast path: current already built from this lock and this bundle (one stat, one read) --------
 if [ "$mode" = build ] && [ "$force" != 1 ] && [ -x "$cur/bin/python" ] && [ -f "$cur/$STAMP" ]; then

@@ -403,7 +403,8 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
 
     Args:
         target: a LocalTarget or ContainerTarget (`.run(argv, stdin=, on_stdout=, timeout=)`, `.workdir`).
-        profile: the venv profile (inventory model or dict); kinds `workstation` and `system` build nothing.
+        profile: the venv profile (inventory model or dict); kinds `workstation` and `system` build nothing
+            (`system` on a container: tmux only, as for a build).
         offline: uv uses only its cache and the carried/local wheels; no Python download, no apt-get update.
         force: rebuild even when `current` already matches the lock and the bundle.
         rollback: switch `current` back to the previous venv instead of building.
@@ -422,6 +423,10 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
     start = time.monotonic()
     p = as_profile(profile)
     if p is None:
+        if profile_kind(profile) == "system" and _is_container(target):  # nothing to build, but runs need tmux
+            ran = _run_script(target, script_argv("tmux", target.workdir, tmux=True), None, on_event, timeout)
+            tmux = _carry_tmux(target, ran[0], on_event, timeout, offline)
+            return _finish(target, None, ran, start, 1 + (tmux is not None), [], 0, tmux=tmux)
         return VenvReport(profile_kind(profile), target.name, wall_s=time.monotonic() - start)
     workdir = target.workdir
     if data_venv is not None:
@@ -450,6 +455,11 @@ def rebuild_venv(target, profile, *, offline: bool = False, force: bool = False,
         raise
     plan.remember()
     return report
+
+
+def _is_container(target) -> bool:
+    """A target that does not see this workstation's files (a container: tmux and uv must travel there)."""
+    return hasattr(target, "bundle_cache_key") and target.bundle_cache_key() is not None
 
 
 class _BuildPlan:

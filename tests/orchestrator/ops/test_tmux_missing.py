@@ -102,3 +102,41 @@ def test_rebuild_venv_brings_debians_tmux_to_a_networkless_container_and_tiny_th
         assert exit_json["exit_code"] == 0
     finally:
         fake_pve.remove_container(ct.ctid)
+
+
+@pytest.mark.slow
+def test_rebuild_venv_of_a_system_profile_brings_tmux_and_a_command_then_runs(fake_pve, tmp_path, dflashctl):
+    """A `kind: system` profile builds no venv, but its runs live in tmux too: on a networkless container the
+    installed `dflashctl rebuild-venv` installs Debian's tmux (one command for the check, one for the
+    packages) and a command experiment on the container's python3 then launches and ends well."""
+    import os
+    import re
+
+    from fakehost import STOCK
+
+    ct = fake_pve.create_container(338, gpus=0, image=STOCK)  # no network
+    try:
+        assert ct.exec(["sh", "-c", "command -v tmux"]).returncode == 127
+        inv = tmp_path / "inv.yaml"
+        inv.write_text(yaml.safe_dump({
+            "hosts": {"pve": fake_pve.host_entry()},
+            "targets": {"ct": {"kind": "container", "host": "pve", "ctid": 338, "workdir": ct.workdir,
+                               "venv": "sys"}},
+            "venvs": {"sys": {"kind": "system"}},
+            "experiments": {"hello": {"kind": "command", "target": "ct", "command": ["python3", "-c", "print(6 * 7)"]}},
+        }))
+        env = {**os.environ, "DFLASHCTL_STATE_DIR": str(tmp_path / "state"), "DFLASHCTL_INVENTORY": str(inv)}
+        fake_pve.clear_pct_calls()
+        rb = dflashctl("rebuild-venv", "--target", "ct", env=env, timeout=600)
+        assert rb.returncode == 0, rb.stdout + rb.stderr
+        assert "profile 'sys' is the target's python3 as is: nothing to build" in rb.stdout
+        assert "ct: tmux installed (tmux 3.3a, Debian's packages from this workstation: " in rb.stdout, rb.stdout
+        assert "warning" not in rb.stderr, rb.stderr
+        assert len(fake_pve.pct_exec_calls(338)) == 2
+        la = dflashctl("launch", "hello", env=env, timeout=300)
+        assert la.returncode == 0, la.stdout + la.stderr
+        run_id = re.search(r"\b(hello-\d{8}T\d{6}Z)\b", la.stdout).group(1)
+        fo = dflashctl("logs", run_id, "--target", "ct", "--follow", env=env, timeout=300)
+        assert fo.returncode == 0 and "42" in fo.stdout.splitlines(), fo.stdout + fo.stderr
+    finally:
+        fake_pve.remove_container(ct.ctid)
