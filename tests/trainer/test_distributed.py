@@ -195,7 +195,7 @@ def test_feature_messages_arrive_in_order_over_gloo():
 def test_plan_steps_are_the_same_for_every_rank_and_batches_are_padded():
     from trainer.config import parse_config
     from trainer.data import DataError
-    from trainer.loop import anchor_generator, make_plan, padded_rows
+    from trainer.batches import anchor_generator, make_plan, padded_rows
 
     cfg = parse_config({"epochs": 2, "data": {"max_len": 64, "token_budget": 256, "max_batch_size": 4}})
     lengths = [40] * 10  # one per row, 4 rows per batch: 3 batches per epoch, 6 in all

@@ -108,7 +108,7 @@ def test_the_tiny_run_trains_the_same_on_the_store_as_on_the_list(tmp_path):
 
     from tests.trainer.test_trainer_launch import small_config
     from trainer.config import parse_config
-    from trainer.loop import anchor_generator, compute_batch, make_plan
+    from trainer.batches import anchor_generator, compute_batch, make_plan
     from trainer.model import DFlashDrafter
     from trainer.objective import dflash_loss
     from trainer.setup import load_assets, resolve_sources, seed_everything
