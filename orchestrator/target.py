@@ -29,7 +29,10 @@ NO_PYTHON = 76
 BUNDLE_WRITE_FAILED = 77
 
 # Runs inside the target before the agent: finds the bundle and an interpreter. A constant script: every
-# value arrives as a positional argument, so nothing is ever spliced into shell text.
+# value arrives as a positional argument, so nothing is ever spliced into shell text. The zip is unpacked once
+# into a directory named by its hash (by the interpreter itself: a container may lack unzip), where Python
+# keeps the compiled modules between calls (__pycache__), instead of compiling every module from the zip on
+# every call; a concurrent first call that lost the rename uses the winner's directory.
 AGENT_BOOTSTRAP = r"""set -u
 workdir=$1; hash=$2; inline=$3; shift 3
 bundle="$workdir/bundle/$hash.zip"
@@ -46,7 +49,15 @@ fi
 if [ ! -f "$bundle" ]; then echo "dflashctl: bundle $hash is not in $workdir/bundle" >&2; exit 75; fi
 py="$workdir/venvs/current/bin/python"
 if [ ! -x "$py" ]; then py=$(command -v python3) || { echo "dflashctl: no python3 in PATH ($PATH)" >&2; exit 76; }; fi
-export PYTHONPATH="$bundle" DFLASHCTL_WORKDIR="$workdir" DFLASHCTL_BUNDLE_HASH="$hash" PYTHONUNBUFFERED=1
+dir="$workdir/bundle/$hash"
+if [ ! -d "$dir" ]; then
+  tmpd="$workdir/bundle/.$hash.d.$$"
+  "$py" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$bundle" "$tmpd" \
+    && mv -T "$tmpd" "$dir" 2>/dev/null
+  rm -rf "$tmpd"
+  if [ ! -d "$dir" ]; then echo "dflashctl: could not unpack the bundle into $dir" >&2; exit 77; fi
+fi
+export PYTHONPATH="$dir" DFLASHCTL_WORKDIR="$workdir" DFLASHCTL_BUNDLE_HASH="$hash" PYTHONUNBUFFERED=1
 exec "$py" -m orchestrator.agent "$@"
 """
 

@@ -4,7 +4,7 @@ refuse the same preflight failures the same way."""
 from __future__ import annotations
 
 from orchestrator.errors import AgentError, PreflightError
-from orchestrator.ops.venv import tmux_fix
+from orchestrator.ops.tmuxfix import tmux_fix
 
 
 def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: str, *, on_event=None,

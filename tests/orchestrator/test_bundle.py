@@ -59,3 +59,23 @@ def test_bundle_removed_in_the_container_is_sent_again(fake_pve, state):
         assert t.pushes == 2
     finally:
         t.close()
+
+
+def test_the_bundle_is_unpacked_once_and_its_compiled_modules_kept_between_calls(fake_pve, state):
+    # Each call imports the agent from the bundle's hash-named directory, where Python keeps the compiled
+    # modules: the second call compiles nothing (the .pyc files are neither rewritten nor added).
+    ct = fake_pve.create_container(374, gpus=0)
+    bundle = build_bundle()
+    t = _target(fake_pve, ct)
+    try:
+        first = t.agent("echo")
+        unpacked = Path(ct.workdir) / "bundle" / bundle.hash
+        assert (unpacked / "orchestrator" / "agent" / "__main__.py").is_file()
+        pyc = {p: p.stat().st_mtime_ns for p in unpacked.rglob("*.pyc")}
+        assert any(p.parent == unpacked / "orchestrator" / "agent" / "__pycache__" for p in pyc)
+        second = t.agent("echo", {"n": 3})
+        assert second["request"]["n"] == 3 and second["pid"] != first["pid"]
+        assert {p: p.stat().st_mtime_ns for p in unpacked.rglob("*.pyc")} == pyc
+    finally:
+        t.close()
+        fake_pve.remove_container(374)
