@@ -252,7 +252,9 @@ WITH_DAEMON = [sys.executable, "-c", (
     "import subprocess, sys, time\n"
     "d = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True,"
     " stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-    "print('daemon', d.pid, flush=True)\n"
+    "e = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True,"
+    " stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    "print('daemon', d.pid, e.pid, flush=True)\n"
     "print('ready', flush=True)\n"
     "time.sleep(600)\n")]
 
@@ -261,12 +263,12 @@ def test_sigint_reaches_a_process_that_left_the_group_at_the_first_step(local_ta
     """The group's leader and a setsid child both end on SIGINT: one step, the child signalled by pid at it."""
     res = launch(local_target, spec("daemon", WITH_DAEMON))
     log = ready(Path(res.run_dir))
-    daemon = int(log.split("daemon ", 1)[1].split()[0])
+    daemons = sorted(int(p) for p in log.split("daemon ", 1)[1].split("\n", 1)[0].split())
     result, events = stop(local_target.workdir, res.run_id, grace_s=5, requested_by=WHO)
     assert result["signals"] == ["SIGINT"]
     assert [(e["step"], e["message"], e["signal"]) for e in events if e.get("message", "").startswith("also sent")] == [
-        ("stop", f"also sent SIGINT to pid(s) {daemon}, which left the run's process group", "SIGINT")]
-    assert not alive(daemon) and runprocs.run_processes(res.run_dir) == []
+        ("stop", f"also sent SIGINT to pid(s) {daemons[0]}, {daemons[1]}, which left the run's process group", "SIGINT")]
+    assert not any(alive(d) for d in daemons) and runprocs.run_processes(res.run_dir) == []
 
 
 # The leader ends at once; its setsid child ignores INT and TERM and keeps the log's pipe open, so the wrapper
@@ -376,22 +378,27 @@ def test_after_sigkill_the_stop_waits_for_exit_json_while_the_wrapper_lives(loca
                     reason="needs root and cgroup v1's freezer (a frozen task does not die of SIGKILL until thawed)")
 def test_a_failed_stop_gives_the_ps_command_for_its_pids_and_the_signals_it_sent(local_target, monkeypatch):
     monkeypatch.setattr(stopping, "_AFTER_KILL_S", 1.0)
-    res = launch(local_target, spec("frozen2", STUBBORN))
+    two = [sys.executable, "-c", "import signal, subprocess, sys, time\nsignal.signal(2, signal.SIG_IGN)\n"
+           "signal.signal(15, signal.SIG_IGN)\nc = subprocess.Popen([sys.executable, '-c', 'import signal, time\\n"
+           "signal.signal(2, signal.SIG_IGN); signal.signal(15, signal.SIG_IGN); time.sleep(600)'])\n"
+           "print('child', c.pid, flush=True)\nprint('ready', flush=True)\ntime.sleep(600)\n"]
+    res = launch(local_target, spec("frozen2", two))
     run_dir = Path(res.run_dir)
-    ready(run_dir)
-    pid = int((run_dir / "pid").read_text())
+    log = ready(run_dir)
+    pids = sorted([int((run_dir / "pid").read_text()), int(log.split("child ", 1)[1].split()[0])])
     cg = FREEZER / f"dflash-test2-{os.getpid()}"
     cg.mkdir()
     try:
-        (cg / "cgroup.procs").write_text(str(pid))
+        for pid in pids:
+            (cg / "cgroup.procs").write_text(str(pid))
         (cg / "freezer.state").write_text("FROZEN")
         wait_for(lambda: (cg / "freezer.state").read_text().strip() == "FROZEN", what="frozen")
         with pytest.raises(AgentFailure) as info:
             stop(local_target.workdir, res.run_id, grace_s=0.2, requested_by=WHO)
         err = info.value
-        assert err.fix == f"check `nvidia-smi` and `ps -o pid,pgid,stat,cmd -p {pid}` in the target"
-        assert err.data == {"pids": [pid], "signals": ["SIGINT", "SIGTERM", "SIGKILL"]}
+        assert err.fix == f"check `nvidia-smi` and `ps -o pid,pgid,stat,cmd -p {pids[0]},{pids[1]}` in the target"
+        assert err.data == {"pids": pids, "signals": ["SIGINT", "SIGTERM", "SIGKILL"]}
     finally:
         (cg / "freezer.state").write_text("THAWED")
-        wait_for(lambda: not alive(pid), what="the thawed process to die of its pending SIGKILL")
+        wait_for(lambda: not any(alive(p) for p in pids), what="the thawed processes to die of their pending SIGKILL")
         (cg / "cgroup.procs").read_text() or cg.rmdir()

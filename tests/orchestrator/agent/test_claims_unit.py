@@ -433,3 +433,10 @@ def test_an_ended_run_with_a_long_id_names_its_survivors(tmp_path):
         rank.wait()
     assert info.value.message.endswith(f"ended, but its pid {rank.pid} ({sys.executable} -c import time; "
                                        "time.sleep(60)) still run")
+
+
+def test_a_run_claim_whose_id_is_a_path_to_a_live_run_is_no_claim(tmp_path):
+    """'a-1/.' leads to the live run a-1's directory but is not a run id: the claim does not hold."""
+    make_run(tmp_path, "a-1")
+    assert claims.claim_alive(tmp_path, {"phase": "run", "run_id": "a-1"})
+    assert not claims.claim_alive(tmp_path, {"phase": "run", "run_id": "a-1/."})
