@@ -1,19 +1,18 @@
 """Run commands on a host over SSH: ONE connection per host, one channel per command.
 
-fabric's `Connection` resolves ~/.ssh/config (aliases, HostName/Port/User/IdentityFile, ProxyJump) and
-opens the connection; everything after that is plain paramiko on its Transport:
+transport/sshconn.py resolves ~/.ssh/config (aliases, HostName/Port/User/IdentityFile, ProxyJump) with
+paramiko's SSHConfig and opens the connection; everything after that is plain paramiko on its Transport:
 - keepalive on, TCP_NODELAY on the socket (without it each exec stalls ~40 ms in delayed-ACK/Nagle);
 - no pty (a pty merges stdout and stderr, adds CRLF, and lxc-attach would allocate one too);
 - stdout and stderr drained on their own threads while stdin is fed on a third (no window deadlock
   with large outputs), exit status read LAST, with a bounded wait;
 - a connection found dead between commands is re-opened once.
 
-Host keys: known_hosts is the truth (see hostkeys.py); fabric's default AutoAddPolicy is replaced.
+Host keys: known_hosts is the truth on every hop (see hostkeys.py); an unknown key is refused, never added.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shlex
 import socket
@@ -37,16 +36,14 @@ EXIT_STATUS_GRACE_S = 30.0
 
 
 def import_ssh_stack() -> None:
-    """Import what opening a connection needs (fabric, paramiko, host keys), e.g. on a thread started early.
+    """Import what opening a connection needs (paramiko, host keys), e.g. on a thread started early.
     Imported here, not with this module: a command that reaches no host never pays for them."""
     import logging
 
     # paramiko logs handshake failures at ERROR; without a handler Python prints them on stderr next to
     # our own readable message. The exception carries the same text.
     logging.getLogger("paramiko").addHandler(logging.NullHandler())
-    import fabric  # noqa: F401
-
-    from orchestrator.transport import hostkeys  # noqa: F401
+    from orchestrator.transport import hostkeys, sshconn  # noqa: F401 - paramiko with them
 
 
 def openssh_argv(
@@ -201,38 +198,22 @@ class SSHTransport:
 
     def _make_connection(self):
         import_ssh_stack()
-        import fabric
-
         from orchestrator.transport import hostkeys
+        from orchestrator.transport.sshconn import Connection, load_config
 
-        kwargs: dict = {
-            "banner_timeout": self.connect_timeout,
-            "auth_timeout": self.connect_timeout,
-            "channel_timeout": self.connect_timeout,
-        }
-        kwargs["transport_factory"] = _gcm_first_transport
-        if self.identity_file:
-            kwargs.update(key_filename=[self.identity_file], look_for_keys=False, allow_agent=False)
-        target = self.ssh_config_alias or self.hostname
-        config = fabric.Config(runtime_ssh_path=self.ssh_config_file) if self.ssh_config_file else None
-        conn = fabric.Connection(
-            target,
-            config=config,
-            user=self.user,
-            port=self.port if (self.ssh_config_alias is None or self.port != 22) else None,
-            connect_timeout=max(1, math.ceil(self.connect_timeout)),
-            connect_kwargs=kwargs,
-        )
         kh = hostkeys.known_hosts_path(self.known_hosts)
         hostkeys.load_known_hosts(kh)  # a clear error now if the file is unreadable
-        # fabric installs AutoAddPolicy (accept anything) on every hop; known_hosts must rule instead.
-        hop = conn
-        while isinstance(hop, fabric.Connection):
-            hop.client.set_missing_host_key_policy(hostkeys.RefuseUnknownHost(self.label, kh))
-            if kh.exists():
-                hop.client.get_host_keys().load(str(kh))
-            hop = hop.gateway
-        return conn
+        return Connection(
+            self.ssh_config_alias or self.hostname,
+            load_config(self.ssh_config_file),
+            user=self.user,
+            port=self.port if (self.ssh_config_alias is None or self.port != 22) else None,
+            identity_file=self.identity_file,
+            known_hosts=kh,
+            label=self.label,
+            timeout=self.connect_timeout,
+            transport_factory=_gcm_first_transport,
+        )
 
     def _connect(self):
         import paramiko
