@@ -575,16 +575,16 @@ def test_runs_diff_shows_the_dataset_key_and_the_input_that_changed_it(tmp_path,
     res = dflashctl("-i", str(inv), "runs", "diff", a, b, "--json", env=env)
     assert res.returncode == 0, res.stderr
     d = json.loads(res.stdout)
-    assert d["config"] == [] and not d["same"] and d["notes"] == [], d
+    assert [k for k, _, _ in d["config"]] == ["output_dir"] and d["notes"] == [], d  # the run dirs differ, alone
     rows = {k: (x, y) for k, x, y in d["dataset"]}
     assert set(rows) == {"key", "inputs"}, d["dataset"]
     key_a, key_b = rows["key"]
     assert key_a != key_b and (work / "datasets" / f"regen-{key_b[:24]}").is_dir()
     assert rows["inputs"] == ([records_sha(tmp_path / "a.jsonl", 4)], [records_sha(tmp_path / "b.jsonl", 6)])
     text = dflashctl("-i", str(inv), "runs", "diff", a, b, env=env)
-    assert "dataset" in text.stdout and "inputs" in text.stdout and key_a in text.stdout, text.stdout
+    assert "dataset (regenerated" in text.stdout and "inputs" in text.stdout and key_a[:12] in text.stdout, text.stdout
     same = dflashctl("-i", str(inv), "runs", "diff", b, c, "--json", env=env)
-    assert same.returncode == 0 and json.loads(same.stdout)["same"], same.stdout + same.stderr
+    assert same.returncode == 0 and json.loads(same.stdout)["dataset"] == [], same.stdout + same.stderr
     assert [r["dataset"]["key"] for r in records.load_records("rg")] == [key_a, key_b, key_b]
     # Kept in the records: no target (no inventory even) is needed again.
     again = dflashctl("-i", str(tmp_path / "missing.yaml"), "runs", "diff", a, c, "--json", env=env)
