@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -101,7 +102,9 @@ def test_a_tensor_vllm_reads_as_zero_fails_the_run_at_its_end_naming_the_prompts
     _copy(out / "export", run / "export", tensors=lambda s: s.__setitem__("fc.weight", torch.zeros_like(s["fc.weight"])))
     lines = []
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    start = time.perf_counter()
     code = judge_in_vllm(cfg, run, python, cfg.layout.to_layout(), lines.append)
+    print(f"end-of-training vLLM step: {time.perf_counter() - start:.0f} s")  # its cost, for the record
     assert code == 1, lines
     failed = next(line for line in lines if line.startswith("run failed: the export judged in vLLM"))
     assert "vLLM's acceptance differs from the project's beyond 0.25 on" in failed and "vs project" in failed
