@@ -732,6 +732,29 @@ def test_resume_of_a_run_killed_in_its_data_stage_regenerates_the_rest_and_train
     assert steps and steps[0] == 1, steps  # from the start, not a checkpoint
     assert json.loads((Path(second.run_dir) / "run.json").read_text())["resumed_from"] == first.run_id
 
-    # The second run trained and kept no checkpoint (save_every 100 > max_steps): nothing to resume.
-    with pytest.raises(PreflightError, match="no complete checkpoint"):
-        launch(t, _spec(cfg, tag="c"), resume=second.run_id)
+
+def test_only_a_run_that_ended_in_its_data_stage_resumes_without_a_checkpoint(tmp_path):
+    """resume.find_source on run directories: regen records only (or no metrics yet) and a config that
+    regenerates: resumable from its data stage; a training step record, or no data stage: still refused."""
+    from orchestrator.agent import resume
+
+    def run_dir(name: str, config: dict, metrics: list[dict] | None) -> None:
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        (d / "run.json").write_text(json.dumps({"experiment": "e", "kind": "dflash"}))
+        (d / "config.json").write_text(json.dumps(config))
+        if metrics is not None:
+            (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics) + '{"torn')
+
+    regen = {"data": {"train_files": ["/d/a.jsonl"]}, "save_every": 100}
+    run_dir("staged", regen, [{"kind": "regen", "regen_conversations": 2}])
+    run_dir("early", regen, None)
+    run_dir("trained", regen, [{"kind": "regen"}, {"step": 1, "loss": 2.0}])
+    run_dir("tiny", {"data": {}, "save_every": 100}, [])
+    for name in ("staged", "early"):
+        src = resume.find_source(tmp_path, name, "e", "dflash")
+        assert src.data_stage and src.step is None
+    for name in ("trained", "tiny"):
+        with pytest.raises(AgentFailure) as err:
+            resume.find_source(tmp_path, name, "e", "dflash")
+        assert err.value.type == "NothingToResume" and "no complete checkpoint" in err.value.message
