@@ -58,12 +58,23 @@ def test_rebuild_venv_brings_debians_tmux_to_a_networkless_container_and_tiny_th
     import re
     from fakehost import STOCK
 
-    venv, _lock = stock_cpu_venv
+    from orchestrator.agent.venvinfo import STAMP
+    from orchestrator.bundle import build_bundle
+
+    shared, _lock = stock_cpu_venv
     ct = fake_pve.create_container(337, gpus=2, image=STOCK)  # no network: loopback only
     try:
-        (Path(ct.workdir) / "venvs").mkdir()
-        (Path(ct.workdir) / "venvs" / "current").symlink_to(venv)  # the cpu lock's venv, built once per session
-        ct.to_container(Path(ct.workdir) / "venvs")
+        # The cpu lock's venv, built once per session, seen through links, with a stamp of today's bundle: the
+        # tree may have changed since the session's build, and this container cannot build anew (no network).
+        venv = Path(ct.workdir) / "venvs" / "cpu-shared"
+        venv.mkdir(parents=True)
+        for entry in shared.iterdir():
+            if entry.name != STAMP:
+                (venv / entry.name).symlink_to(entry)
+        lock_hash, _bundle, python = (shared / STAMP).read_text().split()
+        (venv / STAMP).write_text(f"{lock_hash} {build_bundle().hash} {python}\n")
+        (venv.parent / "current").symlink_to(venv.name)
+        ct.to_container(venv.parent)
         assert ct.exec(["sh", "-c", "command -v tmux"]).returncode == 127
         assert ct.exec(["sh", "-c", "apt-get -q update 2>&1 | grep -q 'Temporary failure resolving'"]).returncode == 0
         shipped = yaml.safe_load((REPO / "inventory.yaml").read_text())
