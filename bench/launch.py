@@ -15,7 +15,8 @@ by hand     OpenSSH client, new connection per step, as a person types them: `tm
             `tmux new-session -d`. Six `pct exec` calls.
 Each launch is followed (untimed) by killing its session so the next one starts clean. The bundle push of
 the very first agent call is done before timing and reported separately. Needs root (namespaces).
-Goals (issue 12): command <= 1.3x the bare exec, <= 0.2x the hand loop.
+Goals: command <= 1.3x the bare exec, <= 0.2x the hand loop (the load average is printed beside them: on a
+loaded machine every figure grows with it).
 """
 
 from __future__ import annotations
