@@ -264,3 +264,43 @@ def test_verify_names_the_corrupt_file_by_both_hashes(tmp_path, tok):
                                           "the file is corrupt; delete it (rm -r -- "), name
         f.write_bytes(data)
     verify(store.path)
+
+
+def test_every_refusal_ends_with_the_fix_for_this_store_and_the_environment_is_read_by_default(tmp_path, tok,
+                                                                                             monkeypatch):
+    store = _built(tmp_path, tok)
+    p = store.path
+    fix = f"delete it (rm -r -- {p}) and run again: it is rebuilt"
+    good = json.loads((p / MANIFEST).read_text())
+
+    def refusal(call, *args):
+        with pytest.raises(StoreError) as info:
+            call(*args)
+        return str(info.value)
+
+    assert refusal(open_store, p, "e" * 64).endswith(fix)
+    (p / MANIFEST).write_text(json.dumps({k: good[k] for k in ("format", "key", "samples", "tokens", "files",
+                                                                "inputs", "skipped")}))
+    assert len(open_store(p)) == good["samples"]  # exactly the fields it needs: a store
+    ids = p / "ids.npy"
+    data = ids.read_bytes()
+    ids.write_bytes(data[:-4])
+    text = refusal(open_store, p)
+    assert "the token store is truncated or corrupt" in text and text.endswith(fix)
+    ids.write_bytes(b"\0" * len(data))
+    text = refusal(open_store, p)
+    assert "not a readable .npy file" in text and text.endswith(fix)
+    np.save(ids, np.zeros(good["tokens"], dtype=np.int64)[: good["tokens"] // 2])  # another dtype and length
+    ids.write_bytes(ids.read_bytes().ljust(len(data), b"\0")[: len(data)])
+    text = refusal(open_store, p)
+    assert f"int64 ({good['tokens'] // 2},), the manifest says int32" in text and text.endswith(fix)
+    ids.write_bytes(data)
+    mask = p / "mask.npy"
+    raw = bytearray(mask.read_bytes())
+    raw[-1] ^= 1
+    mask.write_bytes(bytes(raw))
+    assert refusal(verify, p).endswith(fix)
+    (p / MANIFEST).unlink()
+    assert refusal(open_store, p) == f"{p / MANIFEST}: no manifest: {p} is not a complete token store; {fix}"
+    monkeypatch.setenv("DFLASH_DATASETS_DIR", str(tmp_path / "from-env"))
+    assert datasets_root(tmp_path / "w" / "runs" / "a-1") == tmp_path / "from-env"
