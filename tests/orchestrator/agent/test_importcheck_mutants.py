@@ -71,3 +71,59 @@ def test_the_record_refuses_what_it_did_not_write_and_keeps_the_newest_entries(t
     assert len(kept) == n and "new" in kept and "o00000" not in kept  # the oldest goes past MAX
     importcheck.save_record(rec, dict(list(old.items())[:n - 1]), {"new": {"dist": "y"}})
     assert len(importcheck.load_record(rec)) == n  # exactly MAX: nothing pruned
+
+
+def test_pruning_drops_the_oldest_by_time_not_by_order_and_stamps_utc(tmp_path, monkeypatch):
+    import re
+    import time
+
+    rec = tmp_path / "verified.json"
+    n = importcheck.MAX_ENTRIES
+    old = {f"o{i:05d}": {"dist": "x", "at": "2020-01-01T00:00:01Z"} for i in range(n)}
+    old["o02500"]["at"] = "2019-01-01T00:00:00Z"  # the oldest, in the middle
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # +05:30: a local stamp would show it
+    time.tzset()
+    try:
+        importcheck.save_record(rec, old, {"new": {"dist": "y"}})
+        after = time.gmtime()
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    kept = importcheck.load_record(rec)
+    assert "o02500" not in kept and "o00000" in kept and "new" in kept
+    at = kept["new"]["at"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", at), at
+    assert at[:13] in (time.strftime("%Y-%m-%dT%H", after),
+                       time.strftime("%Y-%m-%dT%H", time.gmtime(time.mktime(after) - 3600)))
+
+
+def test_names_are_read_once_the_first_distribution_wins_and_a_nameless_one_is_none(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    _dist(first, "samename", "1.0")
+    _dist(second, "samename", "2.0")
+    nameless = tmp_path / "nameless" / "x-1.0.dist-info"
+    nameless.mkdir(parents=True)
+    (nameless / "METADATA").write_text("Metadata-Version: 2.1\nVersion: 1.0\n")
+    by_name, _ = importcheck.requirements(list(metadata.distributions(path=[str(first), str(second),
+                                                                            str(tmp_path / "nameless")])))
+    assert list(by_name) == ["samename"] and by_name["samename"].version == "1.0"
+
+
+def test_the_keys_are_these_digests_and_a_cycles_member_stands_in_by_its_files(tmp_path):
+    import hashlib
+
+    _dist(tmp_path, "leaf", "1.0", files=("b.py", "a.py"))
+    _dist(tmp_path, "ping", "1.0", ["pong"])
+    _dist(tmp_path, "pong", "1.0", ["ping"], files=("pong.py",))
+    by_name, deps = importcheck.requirements(list(metadata.distributions(path=[str(tmp_path)])))
+    own = importcheck._files_digest(by_name["leaf"])
+    assert own == hashlib.sha256("a.py,sha256=x,1\nb.py,sha256=x,1".encode()).hexdigest()
+    keys = importcheck.dist_keys(by_name, deps)
+    py = importcheck.python_key()
+    assert keys["leaf"] == hashlib.sha256("\0".join([py, "leaf", "1.0", own]).encode()).hexdigest()
+    # the cycle's first member met (directory order) keys its partner with its own files standing in for it
+    a, b = sorted(("ping", "pong"), key=list(by_name).index)
+    a_own, b_own = (importcheck._files_digest(by_name[n]) for n in (a, b))
+    inner = hashlib.sha256("\0".join([py, b, "1.0", b_own, f"{a}:{a_own}"]).encode()).hexdigest()
+    assert keys[b] == inner
+    assert keys[a] == hashlib.sha256("\0".join([py, a, "1.0", a_own, inner]).encode()).hexdigest()
