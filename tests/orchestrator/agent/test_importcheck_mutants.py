@@ -127,3 +127,17 @@ def test_the_keys_are_these_digests_and_a_cycles_member_stands_in_by_its_files(t
     inner = hashlib.sha256("\0".join([py, b, "1.0", b_own, f"{a}:{a_own}"]).encode()).hexdigest()
     assert keys[b] == inner
     assert keys[a] == hashlib.sha256("\0".join([py, a, "1.0", a_own, inner]).encode()).hexdigest()
+
+
+def test_a_cycles_members_other_requirements_still_count(tmp_path):
+    _dist(tmp_path, "aa", "1.0", ["bb", "zz"])
+    _dist(tmp_path, "bb", "1.0", ["aa", "zz"])
+    _dist(tmp_path, "zz", "1.0")
+
+    def keys():
+        return importcheck.dist_keys(*importcheck.requirements(list(metadata.distributions(path=[str(tmp_path)]))))
+
+    before = keys()
+    (tmp_path / "zz-1.0.dist-info" / "RECORD").write_text("zz_changed.py,sha256=y,1\n")
+    after = keys()
+    assert after["aa"] != before["aa"] and after["bb"] != before["bb"]
