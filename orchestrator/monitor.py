@@ -198,7 +198,7 @@ def _slope(points: Iterable[tuple[float, float]]) -> float:
 class HangDetector:
     """The session is alive but neither the log nor the metrics advanced for `seconds`.
 
-    The one hang check: `dflashctl logs` feeds it each tail heartbeat (ops.logs.LogHealth.heartbeat).
+    The one hang check: `dflashctl logs` feeds it each tail heartbeat (ops.loghealth.LogHealth.heartbeat).
 
     Args:
         seconds: silence that counts as a hang.
