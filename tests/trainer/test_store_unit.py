@@ -304,3 +304,9 @@ def test_every_refusal_ends_with_the_fix_for_this_store_and_the_environment_is_r
     assert refusal(open_store, p) == f"{p / MANIFEST}: no manifest: {p} is not a complete token store; {fix}"
     monkeypatch.setenv("DFLASH_DATASETS_DIR", str(tmp_path / "from-env"))
     assert datasets_root(tmp_path / "w" / "runs" / "a-1") == tmp_path / "from-env"
+
+
+def test_chunks_are_cut_at_byte_offsets_in_a_file_that_is_not_ascii(tmp_path):
+    a = tmp_path / "u.jsonl"
+    a.write_bytes("é\nüü\nx\n".encode())  # 3, 5 and 2 bytes
+    assert split_files([a], 2) == [Chunk(0, 0, str(a), 0, 8, 1), Chunk(1, 0, str(a), 8, 10, 3)]
