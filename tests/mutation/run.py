@@ -265,8 +265,9 @@ FLOORS = {
     # 2026-12-02 (issue 23), after the tests that killed their survivors:
     # stopping 81.6% at first (266 mutants, 1413 s), the run's processes 90.7% (183), GPU claims 92.3% (325),
     # regen shards 97.5% (201); each 100.0% once the tests that killed their survivors were added and the
-    # equivalents listed (6, 9, 8 and 5).
-    "stopping": 99, "run processes": 99, "token store": 0, "token store (build)": 0, "regen shards": 99,
+    # equivalents listed (6, 9, 8 and 5). The token store 95.1% at first (371 mutants, 1363 s), 100.0% with 9
+    # equivalents; its build (--full) has no full run yet.
+    "stopping": 99, "run processes": 99, "token store": 99, "token store (build)": 0, "regen shards": 99,
 }
 
 KILLED = {1, 3, 36, 24, -24, 152, 255}  # mutmut's exit codes: failed tests, pytest error, timeouts
