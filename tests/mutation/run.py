@@ -40,8 +40,9 @@ EQUIVALENT = Path(__file__).with_name("equivalent.yaml")
 # package.module.x_function / package.module.xǁClassǁmethod), and the fast unit tests that exercise them
 # (tests that run the code in another process, through the console script, ssh or a container, cannot see a
 # mutant: they stay in the main suite). `full`: only with --full. The default run: names, quoting, the tailer's
-# offsets, signatures, the loss, export, layout, the launch lock, then checkpoints, sampling, the monitor, the
-# last good run and the verified-wheels keys (--full adds the follow's reconnect policy). Where a module lists functions,
+# offsets, signatures, the loss, export, layout, the launch lock, the GPU claims, stopping, the run's processes,
+# the token store and the regeneration's shards, then checkpoints, sampling, the monitor, the last good run and
+# the verified-wheels keys (--full adds the follow's reconnect policy). Where a module lists functions,
 # those are the ones whose mistakes reach the user (a wrong offset, a wrong loss, a wrong file); the comment
 # says what is left out.
 MODULES: dict[str, dict] = {
@@ -234,8 +235,7 @@ MODULES: dict[str, dict] = {
     },
     # Not here: the loop's gradient accumulation (trainer.loop.train_step runs only inside trainer processes,
     # where mutmut cannot see which test ran it; its mutants are in tests/mutation/hand_mutants.py, with the
-    # venv script's switch, prune and no-op paths). Stopping and the GPU claims join as their tests land
-    # (a module entry here, a floor below).
+    # venv script's switch, prune and no-op paths), and the workers of the token store's build (forked).
 }
 
 # What CI mutates (after the main suite, which already takes 11-20 min of CI's 30): see CI_NOTE.
