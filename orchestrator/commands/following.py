@@ -57,14 +57,27 @@ def _hooks(err, raw: bool, as_json: bool) -> dict:
 
 
 def outcome_line(outcome) -> str:
-    """'run R: failed (exit code 3)', 'run R: stopped by u@h (dflashctl stop) at T (exit code 130)', ..."""
+    """'run R: failed (exit code 3)', 'run R: stopped by u@h (dflashctl stop) at T (exit code 130)', ...; a run
+    that ended on a full file system says so: 'run R: failed (exit code 1): its file system is full (/w/runs/R:
+    12 KiB free of 2.0 MiB)'."""
     code = (outcome.exit or {}).get("exit_code")
     detail = f" (exit code {code})" if code is not None else ""
     if outcome.state == "lost":
         detail = f": {outcome.error}"
+    full = outcome.disk_full
+    if full:
+        detail += (f": its file system is full ({full['path']}: {_size(full['free_bytes'])} free of "
+                   f"{_size(full['total_bytes'])}); free space there, then relaunch")
     from orchestrator.render import run_state
 
     return f"run {outcome.run_id}: {run_state(outcome.state, (outcome.exit or {}).get('stopped'))}{detail}"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def follow_and_print(inv, ref: str | None, *, target: str | None, follow: bool, tail: int | None,

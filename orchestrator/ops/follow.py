@@ -323,7 +323,7 @@ def _finished(st: _Follower, result: TailAnswer, reconnects: int) -> FollowOutco
         run_id=result.run_id, experiment=st.experiment, state=result.state,
         exit=result.exit, matches=st.matches, alerts=st.alerts, lines=st.lines,
         reconnects=reconnects, offsets={"log": st.log_offset, "metrics": st.metrics_offset},
-        baseline=st.baseline,
+        baseline=st.baseline, disk_full=result.disk_full,
     )
     return outcome
 

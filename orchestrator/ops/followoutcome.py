@@ -62,6 +62,9 @@ class FollowOutcome:
     offsets: dict[str, int | None] = field(default_factory=dict)
     baseline: dict | None = None
     error: str | None = None
+    disk_full: dict | None = None
+    """The agent's word that the run ended failed on a full file system ({path, free_bytes, total_bytes}): the
+    cause that needs no byte of the full disk (the run's own report may not have been written)."""
 
     @property
     def crash_matches(self) -> list[FoundMatch]:
@@ -94,4 +97,5 @@ class FollowOutcome:
             "matches": [match_dict(m) for m in self.matches],
             "alerts": [alert_dict(a) for a in self.alerts],
             "error": self.error,
+            "disk_full": self.disk_full,
         }
