@@ -307,6 +307,8 @@ class Monitor(_Strict):
     """Window over which steady memory growth is flagged."""
     tau_near_one: float = Field(1.25, ge=1)
     """Flag a real τ at or below this during training while the token accuracy rises (a train/serve mismatch)."""
+    tau_sim_ratio: float = Field(0.5, gt=0, lt=1)
+    """Flag a real τ below this fraction of the training's simulated τ (sim_tau) while the accuracy rises."""
     tau_drop_fraction: float = Field(0.2, gt=0, lt=1)
     """Flag a real τ that falls by more than this fraction of the best earlier evaluation."""
 

@@ -81,3 +81,35 @@ def test_the_followers_monitors_include_both_with_the_inventorys_thresholds():
     assert (silent.near_one, drop.fraction) == (1.4, 0.5)
     # a τ of 1.3 is "near 1" only under the inventory's 1.4
     assert feed(silent, [_train(1, 0.1), _train(2, 0.5), _eval(2, 1.3)])[0].kind == "tau-near-1"
+
+
+def _step(step, acc, sim_tau):
+    return {"kind": "train", "step": step, "acc": acc, "sim_tau": sim_tau}
+
+
+def test_real_tau_far_below_the_trainings_simulated_tau_is_a_train_serve_gap_naming_the_context_mask():
+    d = SilentFailure()
+    records = [FACTS, _eval(0, 1.0, "before"), _step(25, 0.31, 2.36), _step(50, 0.54, 3.35), _eval(50, 1.88),
+               _step(100, 0.79, 4.99), _eval(100, 1.82), _step(150, 0.84, 5.5), _eval(150, 1.82)]
+    alerts = feed(d, records)
+    # step 50: 1.88 is 0.56 of 3.35, not yet a gap; step 100: 0.36 of 4.99 fires, once
+    assert [a.kind for a in alerts] == ["train-serve-gap"]
+    msg = alerts[0].message
+    assert "real τ 1.82 at step 100 is 0.36 of the 4.99 training simulates (below 0.5)" in msg, msg
+    assert "the token accuracy rose 0.31 -> 0.79" in msg
+    assert "context mask" in msg and "mask token id 4" in msg
+    assert alerts[0].detail["sim_tau"] == 4.99
+
+
+def test_a_healthy_runs_real_tau_near_its_simulated_tau_stays_quiet_and_the_inventorys_ratio_applies():
+    healthy = [FACTS, _step(25, 0.24, 2.07), _step(50, 0.36, 2.76), _eval(50, 2.22), _step(100, 0.42, 3.05),
+               _eval(100, 2.31)]
+    assert feed(SilentFailure(), healthy) == []
+    unlearned = [_step(25, 0.05, 4.0), _step(50, 0.08, 4.0), _eval(50, 1.5)]  # accuracy never rose
+    assert feed(SilentFailure(), unlearned) == []
+    gap = [_step(25, 0.31, 2.36), _step(100, 0.79, 4.99), _eval(100, 1.82)]
+    strict = next(m for m in build_monitors({"tau_sim_ratio": 0.3}) if isinstance(m, SilentFailure))
+    assert feed(strict, gap) == []  # 0.36 of the simulated τ is not below 0.3
+    assert [a.kind for a in feed(SilentFailure(sim_ratio=0.4), gap)] == ["train-serve-gap"]
+    with pytest.raises(ValueError, match="sim_ratio"):
+        SilentFailure(sim_ratio=1.0)
