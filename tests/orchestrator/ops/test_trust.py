@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from orchestrator.inventory import load_inventory
-from orchestrator.target import ssh_transport
+from orchestrator.transport.ssh import SSHSettings
 
 
 def test_trusting_an_ssh_config_alias_records_the_address_ssh_reaches(pve, tmp_path, monkeypatch, dflashctl):
@@ -39,7 +39,7 @@ def test_trusting_an_ssh_config_alias_records_the_address_ssh_reaches(pve, tmp_p
     assert (ssh.returncode, ssh.stdout) == (0, "reached\n"), ssh.stderr
 
     monkeypatch.setenv("HOME", str(home))  # dflashctl's own transport reads ~/.ssh/config too
-    t = ssh_transport(load_inventory(inv).host("pve"), "pve")
+    t = SSHSettings.of("pve", load_inventory(inv).host("pve")).transport()
     try:
         assert t.run(["echo", "reached"]).stdout == b"reached\n"
     finally:
