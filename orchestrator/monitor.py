@@ -253,8 +253,8 @@ class SilentFailure:
     - `tau-near-1`: real τ at or below `near_one` (an untrained drafter gives 1.0);
     - `train-serve-gap`: real τ below `sim_ratio` x the training's own simulated τ (`sim_tau` of the newest
       step line: the mean accept length of the training blocks, cumprod of per-slot correctness + 1, which
-      tracks the real τ closely when training and serving agree: 0.75-0.8 of it on the tiny run, 0.33 with the
-      block's own features leaking into training).
+      tracks the real τ closely when training and serving agree: 0.78 of it on the tiny run at step 100, 0.41
+      with the block's own features leaking into training, tests/trainer/test_silent_failure_run.py).
 
     Args:
         near_one: a τ at or below this counts as "near 1".
