@@ -12,7 +12,7 @@ import torch
 from conftest import build_target, small_model_config
 from trainer.evaluate import acceptance_length, decode
 from trainer.model import DFlashDrafter
-from trainer.sampling import accept_greedy, accept_sampled, residual
+from trainer.sampling import accept_greedy, accept_sampled, choose, probabilities, residual
 
 VOCAB, MASK = 4, 3
 PROMPT = [1, 2, 0, 1]
@@ -140,3 +140,35 @@ def test_sampled_tau_is_reproducible_and_greedy_is_unchanged(small):
     assert a.outputs == b.outputs and a.per_prompt == b.per_prompt and a.temperature == 0.7
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         decode(drafter, target, PROMPT, temperature=-1.0)
+
+
+def test_greedy_acceptance_counts_each_kept_draft_once():
+    """One draft kept of two: the count is 1 and the token is the target's choice after it (an odd count, so a
+    step of 2 per kept draft cannot land on the same answer)."""
+    assert accept_greedy([4, 5], [4, 9, 1]) == (1, 9)
+    assert accept_greedy([4, 5], [4, 5, 1]) == (2, 1)
+
+
+def test_a_draft_is_kept_only_when_u_is_below_the_ratio():
+    """Kept with probability min(1, p/q): kept iff u < p/q. The generator's next u is read from a copy of its
+    state and the ratio set to exactly u (q = 1 at the draft), so u == ratio: the draft is rejected."""
+    gen = torch.Generator().manual_seed(7)
+    u = torch.rand(1, generator=torch.Generator().set_state(gen.get_state())).item()
+    q = torch.tensor([[0.0, 1.0, 0.0]])
+    p = torch.tensor([[1.0 - u, u, 0.0], [0.0, 0.0, 1.0]])
+    assert accept_sampled(torch.tensor([1]), q, p, gen) == (0, 0)  # the residual max(p - q, 0) is all on token 0
+
+
+def test_choose_and_probabilities_at_the_temperature_edges():
+    logits = torch.tensor([[[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 4.0]],
+                           [[2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 7.0, 0.0], [0.0, 1.0, 2.0, 3.0]]])  # [2, 3, 4]
+    assert torch.equal(choose(logits, 0.0, None), torch.tensor([[1, 0, 3], [0, 2, 3]]))  # argmax per row at T = 0
+    with pytest.raises(ValueError, match="temperature must be > 0 for a sampling distribution, got 0"):
+        probabilities(logits, 0.0)
+    assert torch.allclose(probabilities(logits, 2.0), torch.softmax(logits / 2.0, dim=-1))
+
+
+def test_residual_normalises_each_row():
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.4, 0.4]])
+    q = torch.tensor([[0.2, 0.6, 0.2, 0.0], [0.4, 0.4, 0.1, 0.1]])
+    assert torch.allclose(residual(p, q), torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]]))
