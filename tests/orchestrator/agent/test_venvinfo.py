@@ -103,3 +103,68 @@ def test_verify_refuses_a_venv_that_lacks_what_the_bundle_imports_and_writes_no_
 def test_the_module_refuses_an_unknown_command_with_its_usage(capsys):
     assert venvinfo.main(["fingerprint"]) == 2
     assert "usage: python -m orchestrator.agent.venvinfo verify|requirements" in capsys.readouterr().err
+
+
+class _Events:
+    """verify's `out`: the events it emits, in order."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, dict]] = []
+
+    def event(self, kind: str, **fields) -> None:
+        self.seen.append((kind, fields))
+
+
+def test_verify_record_progress_result_and_the_recorded_torch(tmp_path, monkeypatch):
+    """Two wheels not verified before (every other distribution is, torch with its build in the record): verify
+    imports exactly those two, one progress event each (counted i of n), skips the rest by name, reports torch's
+    version and CUDA build from the record (the GPU count stays unknown: torch was not imported) and records the
+    two wheels under their keys, leaving torch's entry as it was."""
+    from importlib import metadata
+
+    from orchestrator.agent import importcheck
+    from test_importcheck import _site_with
+
+    record, keys = _site_with(tmp_path, monkeypatch, {"ic_evwheel_b": "VALUE = 1\n", "ic_evwheel_a": "VALUE = 2\n"})
+    verified = importcheck.load_record(record)
+    verified[keys["torch"]] = {"dist": "torch", "version": "?", "torch": "9.9.9+test", "cuda": "12.9"}
+    importcheck.save_record(record, verified, {})
+    out = _Events()
+    res = venvinfo.verify(out=out, record=record, jobs=None)  # the default number of workers
+    # Besides the two: a distribution without a key (an editable install of dflashctl has no hashed RECORD) is
+    # imported every time.
+    mine = sorted((f["module"], f["dist"], f["message"], f["step"], f["n"]) for _, f in out.seen
+                  if f["module"].startswith("ic_"))
+    assert mine == [("ic_evwheel_a", "ic-evwheel-a", "import ic_evwheel_a", "verify", len(out.seen)),
+                    ("ic_evwheel_b", "ic-evwheel-b", "import ic_evwheel_b", "verify", len(out.seen))]
+    assert {kind for kind, _ in out.seen} == {"progress"}
+    assert [f["i"] for _, f in out.seen] == list(range(1, len(out.seen) + 1))
+    names = {importcheck.normalize_name(d.metadata["Name"]) for d in metadata.distributions()}
+    others = sorted(n for n in names if keys.get(n) is not None and n not in ("ic-evwheel-a", "ic-evwheel-b"))
+    assert res == {"modules": len(out.seen), "skipped": others, "failed": [], "missing": {},
+                   "torch": "9.9.9+test", "cuda": "12.9", "device_count": None}
+    after = importcheck.load_record(record)
+    assert {k: {f: v for f, v in after[k].items() if f != "at"} for k in (keys["ic-evwheel-a"], keys["ic-evwheel-b"])} == {
+        keys["ic-evwheel-a"]: {"dist": "ic-evwheel-a", "version": "1.0"},
+        keys["ic-evwheel-b"]: {"dist": "ic-evwheel-b", "version": "1.0"}}
+    assert after[keys["torch"]] == importcheck.load_record(record)[keys["torch"]] and after[keys["torch"]]["torch"] == "9.9.9+test"
+
+
+def test_verify_record_never_skips_nor_records_the_bundle_and_leaves_out_skipped_modules(tmp_path, monkeypatch):
+    """The bundle's own distribution is imported by every verify, even when its key is in the record, and never
+    added to it (the bundle changes with every dflashctl); a module named in `skip` is not imported (here one
+    that would fail)."""
+    from orchestrator.agent import importcheck
+    from test_importcheck import _Quiet, _site_with
+
+    record, keys = _site_with(tmp_path, monkeypatch, {venvinfo.BUNDLE_DIST.replace("-", "_"): "VALUE = 1\n",
+                                                      "ic_skipme": "raise ImportError('never imported')\n"})
+    bundle = keys[venvinfo.BUNDLE_DIST]
+    out = _Events()
+    res = venvinfo.verify(out=out, skip=("ic_skipme",), record=record, jobs=1)
+    imported = [f["module"] for _, f in out.seen]
+    assert res["failed"] == [] and venvinfo.BUNDLE_DIST.replace("-", "_") in imported and "ic_skipme" not in imported
+    assert bundle not in importcheck.load_record(record)
+    importcheck.save_record(record, importcheck.load_record(record), {bundle: {"dist": venvinfo.BUNDLE_DIST, "version": "1.0"}})
+    again = venvinfo.verify(out=_Quiet, skip=("ic_skipme",), record=record, jobs=1)
+    assert venvinfo.BUNDLE_DIST not in again["skipped"] and again["modules"] == res["modules"] and again["failed"] == []
