@@ -221,7 +221,9 @@ MODULES: dict[str, dict] = {
         "full": True,
         "files": ["orchestrator/agent/venvinfo.py"],
         "functions": ["orchestrator.agent.venvinfo.x_verify__*"],
-        "tests": ["tests/orchestrator/agent/test_importcheck.py", "-k", "recorded or patch_version"],
+        # test_venvinfo's verify_record tests: the progress events, the result, the bundle and skip.
+        "tests": ["tests/orchestrator/agent/test_importcheck.py", "tests/orchestrator/agent/test_venvinfo.py",
+                  "-k", "recorded or patch_version or verify_record"],
     },
     "follow (reconnect policy)": {  # --full only: when logs --follow reconnects, gives up, refuses; its exit
         # codes. Each test follows a real run over real cuts (10 s to a minute on a loaded 2-core machine).
@@ -284,6 +286,13 @@ def _prepare(name: str, spec: dict, scratch: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
     for sub in ("orchestrator", "trainer", "templates", "tests"):  # templates/inventory.yaml: the file, not the link
         shutil.copytree(REPO / sub, root / sub, ignore=ignore)
+    _write_config(root, spec)
+    return root
+
+
+def _write_config(root: Path, spec: dict) -> None:
+    """pyproject.toml in the scratch copy: the checkout's, with mutmut's config for this module (its test
+    selection as run.py has it now: --again rewrites it, so a test file added to the selection takes part)."""
     cfg = {
         "source_paths": ["orchestrator", "trainer"],
         "also_copy": ["templates"],  # orchestrator.assets reads them beside the package
@@ -299,7 +308,6 @@ def _prepare(name: str, spec: dict, scratch: Path) -> Path:
     text = (REPO / "pyproject.toml").read_text()
     text += "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items())
     (root / "pyproject.toml").write_text(text)
-    return root
 
 
 # `python -m mutmut ARGS` without its "clean tests" run: mutmut runs the whole selection once more on the
@@ -326,6 +334,7 @@ def _again(name: str, spec: dict, scratch: Path, equivalent: dict[str, str]) -> 
     ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
     shutil.rmtree(root / "tests")
     shutil.copytree(REPO / "tests", root / "tests", ignore=ignore)
+    _write_config(root, spec)
     codes = _results(root, spec)
     alive = sorted(k for k, v in codes.items() if v in SURVIVED)
     diffs = _diffs(root, alive)
