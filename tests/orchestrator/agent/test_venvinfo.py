@@ -168,3 +168,29 @@ def test_verify_record_never_skips_nor_records_the_bundle_and_leaves_out_skipped
     importcheck.save_record(record, importcheck.load_record(record), {bundle: {"dist": venvinfo.BUNDLE_DIST, "version": "1.0"}})
     again = venvinfo.verify(out=_Quiet, skip=("ic_skipme",), record=record, jobs=1)
     assert venvinfo.BUNDLE_DIST not in again["skipped"] and again["modules"] == res["modules"] and again["failed"] == []
+
+
+def test_verify_record_imports_torch_when_not_recorded_and_records_its_build(tmp_path, monkeypatch):
+    """torch not verified before: verify imports it (first of all), reports the version, CUDA build and GPU count
+    the worker read, and records torch's key with its version and CUDA build (what a later verify that skips
+    torch reports)."""
+    import torch
+
+    from orchestrator.agent import importcheck
+    from test_importcheck import _site_with
+
+    record, keys = _site_with(tmp_path, monkeypatch, {})
+    verified = importcheck.load_record(record)
+    del verified[keys["torch"]]
+    importcheck.save_record(record, verified, {})
+    out = _Events()
+    res = venvinfo.verify(out=out, record=record, jobs=1)
+    assert out.seen[0][1]["module"] == "torch" and res["failed"] == [] and res["missing"] == {}
+    gpus = torch.cuda.device_count() if torch.version.cuda else 0
+    assert (res["torch"], res["cuda"], res["device_count"]) == (str(torch.__version__), torch.version.cuda, gpus)
+    entry = importcheck.load_record(record)[keys["torch"]]
+    assert {k: v for k, v in entry.items() if k != "at"} == {"dist": "torch", "version": torch.__version__,
+                                                            "torch": str(torch.__version__), "cuda": torch.version.cuda}
+    again = venvinfo.verify(out=_Events(), record=record, jobs=1)
+    assert "torch" in again["skipped"] and (again["torch"], again["cuda"], again["device_count"]) == (
+        str(torch.__version__), torch.version.cuda, None)
