@@ -144,6 +144,7 @@ def test_verify_record_progress_result_and_the_recorded_torch(tmp_path, monkeypa
     assert res == {"modules": len(out.seen), "skipped": others, "failed": [], "missing": {},
                    "torch": "9.9.9+test", "cuda": "12.9", "device_count": None}
     after = importcheck.load_record(record)
+    assert set(after) == set(verified) | {keys["ic-evwheel-a"], keys["ic-evwheel-b"]}  # nothing else (no keyless dist)
     assert {k: {f: v for f, v in after[k].items() if f != "at"} for k in (keys["ic-evwheel-a"], keys["ic-evwheel-b"])} == {
         keys["ic-evwheel-a"]: {"dist": "ic-evwheel-a", "version": "1.0"},
         keys["ic-evwheel-b"]: {"dist": "ic-evwheel-b", "version": "1.0"}}
