@@ -358,11 +358,13 @@ def _run_module(name: str, spec: dict, scratch: Path, log, again: list[str] | No
     return root, wall
 
 
-def _results(root: Path, spec: dict) -> dict[str, int]:
-    """{mutant name: exit code} for the module's mutants that ran."""
-    codes: dict[str, int] = {}
+def _results(root: Path, spec: dict, ran: bool = True) -> dict[str, int | None]:
+    """{mutant name: exit code} for the module's mutants that ran (ran=False: every mutant made, None for one
+    that has not run: a run that was stopped part way)."""
+    codes: dict[str, int | None] = {}
     for meta in (root / "mutants").rglob("*.py.meta"):
-        codes.update({k: v for k, v in json.loads(meta.read_text())["exit_code_by_key"].items() if v is not None})
+        codes.update({k: v for k, v in json.loads(meta.read_text())["exit_code_by_key"].items()
+                      if v is not None or not ran})
     pats = [re.compile(re.escape(p).replace(r"\*", ".*") + "$") for p in spec["functions"]]
     return {k: v for k, v in codes.items() if any(p.match(k) for p in pats)}
 
@@ -456,8 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         score = 100.0 * killed / counted if counted else 100.0
         rows.append((name, len(codes), killed, len(alive) - len(equiv), len(equiv), other, score, wall))
         survivors += [(name, k, keys[k], diffs[k]) for k in alive if keys[k] not in equivalent]
+        made = len(_results(root, spec, ran=False))
         print(f"{name}: {len(codes)} mutants, {killed} killed, score {score:.1f}% ({wall:.0f} s; log {log_path})",
               flush=True)
+        if made > len(codes):  # e.g. mutmut stopped part way: the score is over the mutants that ran
+            print(f"  WARNING: only {len(codes)} of the {made} mutants made for {name} have a result", flush=True)
     print(f"\n{'module':24} {'mutants':>7} {'killed':>7} {'survived':>8} {'equiv.':>6} {'other':>5} {'score':>6} "
           f"{'floor':>5} {'time':>6}")
     failed = []
