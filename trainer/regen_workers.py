@@ -218,7 +218,14 @@ def run_workers(spec: EngineSpec, slots: Sequence[Slot], out: Path, kw: dict, to
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # a fresh interpreter: CUDA / vLLM state never crosses a fork
-    results = ctx.Queue()
+    try:
+        results = ctx.Queue()
+    except OSError as exc:  # the queue's lock is a POSIX semaphore: sem_open needs a writable /dev/shm
+        raise RegenerateError(
+            f"the {spec.engine} engine's workers cannot start: their queues need POSIX shared memory, a writable "
+            f"tmpfs at /dev/shm, and creating one failed ({exc.strerror or exc}); a container's systemd mounts it "
+            "at boot. Mount it, then run the stage again (finished shards are kept). Fix, as root in the container: "
+            "mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm") from None
     workers: list[_Worker] = []
     log = progress.log
     pending = list(todo)

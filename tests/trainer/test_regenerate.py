@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -485,3 +486,28 @@ def test_openai_engine_against_a_real_vllm_server(tmp_path, vllm_server, referen
     same, total = _agreement(path, reference, hf_engine.tokenizer)
     print(f"openai (vLLM server) vs hf: {same}/{total} tokens agree")
     assert same >= 0.98 * total
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a mount namespace")
+def test_a_stage_without_shared_memory_names_it_and_its_printed_mount_lets_the_stage_run(tmp_path, target_dir):
+    """A container without a writable /dev/shm (no systemd mounted one): the stage's worker queues cannot be
+    made; the one error line says why and ends with the mount that fixes it, which, pasted where the stage runs
+    (here a private mount namespace whose /dev/shm is a read-only tmpfs), lets the same stage finish."""
+    data = _write_convs(tmp_path / "c.jsonl", 4)
+    cfg = _write_cfg(tmp_path / "cfg.json", target_dir, [data], regenerate_max_new_tokens=8)
+    stage = shlex.join([sys.executable, "-m", "trainer", "regenerate", str(cfg), "--datasets", str(tmp_path / "d")])
+
+    def in_namespace(script: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                               f"mount -t tmpfs -o ro,size=4k tmpfs /dev/shm && {script}"],
+                              capture_output=True, text=True, timeout=600)
+
+    failed = in_namespace(stage)
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    [err] = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert "hf engine's workers cannot start: their queues need POSIX shared memory" in err, err
+    assert "Read-only file system" in err
+    fix = err.split("Fix, as root in the container: ", 1)[1]
+    assert fix == "mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm"
+    fixed = in_namespace(f"{fix} && {stage}")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
