@@ -319,10 +319,10 @@ def test_the_export_is_written_beside_its_destination_and_the_old_one_moved_asid
     import trainer.export as export_mod
 
     dest, seen = tmp_path / "export", []
-    real_code, real_fsync_dir = export_mod.reference_code, export_mod._fsync_dir
+    real_code, real_fsync_dir = export_mod.reference_code, export_mod.fsync_dir
     monkeypatch.setattr(export_mod, "reference_code",
                         lambda: seen.append(sorted(p.name for p in tmp_path.iterdir())) or real_code())
-    monkeypatch.setattr(export_mod, "_fsync_dir", lambda path: (
+    monkeypatch.setattr(export_mod, "fsync_dir", lambda path: (
         seen.append(sorted(p.name for p in tmp_path.iterdir())) if path == tmp_path else None,
         real_fsync_dir(path))[1])
     export_drafter(_drafter(qwen3_target, layers=2), qwen3_target, dest)
@@ -338,14 +338,14 @@ def test_a_failure_after_the_rename_is_reported_as_itself(qwen3_target, tmp_path
     message: the clean-up of a temporary that is no longer there must not replace it."""
     import trainer.export as export_mod
 
-    real = export_mod._fsync_dir
+    real = export_mod.fsync_dir
 
     def fsync_dir(path):
         if path == tmp_path:
             raise OSError("I/O error syncing the parent")
         real(path)
 
-    monkeypatch.setattr(export_mod, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(export_mod, "fsync_dir", fsync_dir)
     with pytest.raises(OSError) as info:
         export_drafter(_drafter(qwen3_target, layers=2), qwen3_target, tmp_path / "export")
     assert str(info.value) == "I/O error syncing the parent"
