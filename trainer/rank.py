@@ -65,11 +65,22 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, LayoutError, TrainError, DistributedError)
 
 
+def quiet_progress_bars() -> None:
+    """No progress bar from transformers or the hub in this rank, whatever its environment says: a bar writes a
+    line without its newline, and the launcher's tee glues the next rank line onto it (a `step 6/6` line was
+    once missed behind `Loading weights: 0%|`). The launcher sets HF_HUB_DISABLE_PROGRESS_BARS for every rank
+    too; this holds where that variable did not reach the rank's first import of the hub, or was overridden."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _run(config: str) -> None:
     from trainer.config import load_config
     from trainer.distributed import init_world, read_rank_env
     from trainer.loop import run_rank
 
+    quiet_progress_bars()
     env = read_rank_env()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and env.rank == 0:

@@ -358,3 +358,22 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path, env):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not (tmp_path / "run" / "root_cause.json").exists()
+
+
+def test_a_rank_shows_no_progress_bar_even_when_its_environment_asks_for_one():
+    """A rank's log lines stay whole: the rank turns transformers' and the hub's bars off itself, so a weight load
+    prints nothing even in an environment that enables the bars."""
+    code = ("import sys\n"
+            "from trainer.rank import quiet_progress_bars\n"
+            "from transformers.utils import logging\n"
+            "assert logging.is_progress_bar_enabled()\n"
+            "quiet_progress_bars()\n"
+            "from transformers.utils.logging import tqdm\n"
+            "for _ in tqdm(range(3), desc='Loading weights'):\n"
+            "    pass\n"
+            "print('enabled' if logging.is_progress_bar_enabled() else 'disabled')\n")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**env, "HF_HUB_DISABLE_PROGRESS_BARS": "0", "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "disabled" and "Loading weights" not in res.stderr, res.stdout + res.stderr
