@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-# driver and venvinfo too, though only a run on GPUs and a venv check use them: the agent imports its verb
+# driver and venvfingerprint too, though only a run on GPUs and a venv check use them: the agent imports its verb
 # before it reads the request, so their import is not on a launch's path once the request is there.
-from orchestrator.agent import claims, driver, gpu, resume, runprocs, runs, tmuxctl, venvinfo
+from orchestrator.agent import claims, driver, gpu, resume, runprocs, runs, tmuxctl, venvfingerprint
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import LaunchAnswer, LaunchRequest
 from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, build_command, run_config
@@ -182,8 +182,8 @@ def check_driver(req: LaunchRequest, gpus: list[int], emit) -> None:
 def check_venv(req: LaunchRequest, emit) -> dict:
     """The venv fingerprint, refused when it differs from the experiment's lock."""
     profile = req.venv_profile or {}
-    actual = venvinfo.current_fingerprint(req.workdir, profile)
-    diff = venvinfo.fingerprint_diff(actual, req.lock_hash, profile)
+    actual = venvfingerprint.current_fingerprint(req.workdir, profile)
+    diff = venvfingerprint.fingerprint_diff(actual, req.lock_hash, profile)
     if diff:
         raise AgentFailure(
             "VenvMismatch",

@@ -1,8 +1,15 @@
-"""A venv's fingerprint as the agent reads it (standard library only): the one name rule for distributions,
-what is installed, the fingerprint of the running interpreter, of the target's python3, or of the current uv
-venv. Shared by the NVIDIA driver check (orchestrator.agent.driver), the venv build and verification
-(orchestrator.agent.venvinfo) and the import check (orchestrator.agent.importcheck), which none of them
-may import from each other without a cycle."""
+"""A venv's fingerprint (standard library only): the one name rule for distributions, what is installed, the
+fingerprint of the running interpreter, of the target's python3, or of the current uv venv, the one a new
+venv's verification writes (`build_fingerprint`), and what does not match (`fingerprint_diff`).
+
+- in the agent (launch preflight, the `fingerprint` verb): `current_fingerprint(workdir, profile)` reads the
+  fingerprint of `<workdir>/venvs/current` (uv profiles) or computes one from the running interpreter
+  (`workstation` profile); `fingerprint_diff(actual, expected_lock_hash)` says in words what does not match.
+- in the rebuild script: orchestrator.agent.venvinfo's `verify` command writes `build_fingerprint`'s.
+
+Shared by the NVIDIA driver check (orchestrator.agent.driver), the venv build and verification
+(orchestrator.agent.venvinfo), the import check (orchestrator.agent.importcheck) and the lock's reader
+(orchestrator.ops.lockfile: the name rule), which none of them may import from each other without a cycle."""
 
 from __future__ import annotations
 
@@ -26,7 +33,6 @@ def now_utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-
 def installed_packages() -> dict[str, str]:
     """`{normalized name: version}` of every distribution visible to this interpreter."""
     from importlib import metadata
@@ -37,7 +43,6 @@ def installed_packages() -> dict[str, str]:
         if name:
             out.setdefault(normalize_name(name), dist.version)
     return dict(sorted(out.items()))
-
 
 
 def profile_kind(profile) -> str:
@@ -131,3 +136,52 @@ def current_fingerprint(workdir: str, profile) -> dict:
                 "error": f"the current venv has no readable {FINGERPRINT} ({exc.__class__.__name__}; {fix})"}
     fp.setdefault("venv", os.path.basename(os.path.realpath(current)))
     return fp
+
+
+def fingerprint_diff(actual: dict, expected_lock_hash: str | None, profile: dict | None = None) -> list[str]:
+    """Human lines saying why `actual` does not match the expected lock; empty = match.
+
+    A workstation profile (expected_lock_hash None) matches any fingerprint without an error. `profile` (the
+    venv profile asked for, with its `name` and `lock`) is named in the text: the current venv may be another
+    profile's (one target, one `current`), or its profile's lock may have changed since; both read true.
+    """
+    if actual.get("error"):
+        return [actual["error"]]
+    if expected_lock_hash is None:
+        return []
+    got = actual.get("lock_hash")
+    if got != expected_lock_hash:
+        profile = profile or {}
+        wanted = (f"venv profile {profile['name']!r}" if profile.get("name") else "the venv profile") + (
+            f" (lock {profile['lock']})" if profile.get("lock") else "")
+        return [f"the current venv {actual.get('venv')} was built from lock {got}; {wanted} needs lock "
+                f"{expected_lock_hash} (run `dflashctl rebuild-venv`)"]
+    return []
+
+
+def build_fingerprint(venv: Path, *, lock_hash: str | None, bundle_hash: str | None, python_request: str | None,
+                      freeze_file: Path | None, torch_info: dict, driver: str | None,
+                      uv_version: str | None = None) -> dict:
+    """The fingerprint of the running interpreter's environment (see contracts: venv layout); `driver`: the
+    NVIDIA driver's version (orchestrator.agent.venvinfo reads it: the driver module imports this one)."""
+    freeze = []
+    if freeze_file and freeze_file.is_file():
+        freeze = [ln.strip() for ln in freeze_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    return {
+        "kind": "uv",
+        "venv": venv.name,
+        "lock_hash": lock_hash,
+        "bundle_hash": bundle_hash,
+        "python": platform.python_version(),
+        "python_request": python_request,
+        "executable": sys.executable,
+        "platform": f"{sys.platform}-{platform.machine()}",
+        "packages": installed_packages(),
+        "freeze": freeze,
+        "torch": torch_info.get("torch"),
+        "cuda": torch_info.get("cuda"),
+        "device_count": torch_info.get("device_count"),
+        "driver": driver,
+        "uv": uv_version,
+        "created": now_utc(),
+    }

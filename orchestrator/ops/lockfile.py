@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import assets
+# The one dist-name rule (PEP 503: `PyYAML` -> `pyyaml`, `typing_extensions` -> `typing-extensions`), the agent's:
+# what a lock pins is compared with what a venv reports by the same rule. Read here by ops.lock and ops.carry.
+from orchestrator.agent.venvfingerprint import normalize_name
 from orchestrator.errors import UserError
 
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
@@ -20,11 +23,6 @@ _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
 def lock_hash(data: bytes) -> str:
     """The identity of a lock: sha256 of its bytes, 16 hex characters."""
     return hashlib.sha256(data).hexdigest()[:16]
-
-
-def normalize_name(name: str) -> str:
-    """PEP 503 normalized project name (`PyYAML` -> `pyyaml`, `typing_extensions` -> `typing-extensions`)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def parse_pins(text: str) -> dict[str, str]:

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from orchestrator.agent import driver
 from orchestrator.agent.runcommand import data_venv_workdir
-from orchestrator.agent.venvinfo import BUNDLE_DIST, FINGERPRINT, STAMP
+from orchestrator.agent.venvfingerprint import FINGERPRINT
+from orchestrator.agent.venvinfo import BUNDLE_DIST, STAMP
 from orchestrator import assets
 from orchestrator.errors import AgentError, UserError
 from orchestrator.ops import carry, debs

@@ -125,14 +125,14 @@ def _claim_cuda_venv(workdir: str | Path, lock: str = "cuda", torch: str = "2.13
     so; everything the checks compare it with (the stand-in nvidia-smi, the container's /proc/driver, the
     agent, doctor, launch) is real. An existing current venv keeps its files and lock hash (only torch and
     cuda change); else one fingerprinted as built from lock `lock` is made. Returns the venv directory."""
-    from orchestrator.agent import venvinfo
+    from orchestrator.agent import venvfingerprint, venvinfo
     from orchestrator.ops.lock import resolve_lock
 
     venvs = Path(workdir) / "venvs"
     current = venvs / "current"
     if current.is_dir():
         venv = current.resolve()
-        fp = json.loads((venv / venvinfo.FINGERPRINT).read_text())
+        fp = json.loads((venv / venvfingerprint.FINGERPRINT).read_text())
     else:
         lock_hash = resolve_lock(lock).hash
         venv = venvs / f"{lock_hash}-20250611T095812.114Z"
@@ -141,5 +141,5 @@ def _claim_cuda_venv(workdir: str | Path, lock: str = "cuda", torch: str = "2.13
         (venv / venvinfo.STAMP).write_text(f"{lock_hash} - 3.11\n")
         current.symlink_to(venv.name)
     fp.update(torch=torch, cuda=cuda, packages={**fp.get("packages", {}), "torch": torch})
-    (venv / venvinfo.FINGERPRINT).write_text(json.dumps(fp) + "\n")
+    (venv / venvfingerprint.FINGERPRINT).write_text(json.dumps(fp) + "\n")
     return venv

@@ -113,7 +113,7 @@ def test_an_ssh_destination_ssh_would_read_as_an_option_is_an_inventory_error(tm
 
 @pytest.mark.usefixtures("isolated_tmux")
 def test_a_venv_of_another_profile_is_named_as_such_and_the_fix_builds_the_right_profile(tmp_path, local_target):
-    from orchestrator.agent import venvinfo
+    from orchestrator.agent import venvfingerprint
     from orchestrator.errors import PreflightError
     from orchestrator.ops.launch import LaunchSpec, launch
 
@@ -122,8 +122,8 @@ def test_a_venv_of_another_profile_is_named_as_such_and_the_fix_builds_the_right
     venv.mkdir(parents=True)
     (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": "C", "packages": {}}))
     (Path(local_target.workdir) / "venvs" / "current").symlink_to(venv.name)
-    fp = venvinfo.current_fingerprint(local_target.workdir, {"kind": "uv"})
-    assert venvinfo.fingerprint_diff(fp, "U", {"name": "cuda", "lock": "cuda"}) == [
+    fp = venvfingerprint.current_fingerprint(local_target.workdir, {"kind": "uv"})
+    assert venvfingerprint.fingerprint_diff(fp, "U", {"name": "cuda", "lock": "cuda"}) == [
         "the current venv C-0 was built from lock C; venv profile 'cuda' (lock cuda) needs lock U "
         "(run `dflashctl rebuild-venv`)"]
 

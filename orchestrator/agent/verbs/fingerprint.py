@@ -7,7 +7,7 @@ Result:  {"fingerprint": {...}, "diff": [human lines; empty when it matches the 
 from __future__ import annotations
 
 from orchestrator.agent.requests import FingerprintRequest
-from orchestrator.agent.venvinfo import current_fingerprint, fingerprint_diff
+from orchestrator.agent.venvfingerprint import current_fingerprint, fingerprint_diff
 
 
 def run(request: dict, emit) -> dict:

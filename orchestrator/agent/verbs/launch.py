@@ -26,7 +26,7 @@ import socket
 from pathlib import Path
 
 from orchestrator import assets, ownlines
-from orchestrator.agent import claims, gpu, preflight, resume, runcommand, runs, stopping, tmuxctl, venvinfo
+from orchestrator.agent import claims, gpu, preflight, resume, runcommand, runs, stopping, tmuxctl, venvfingerprint
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.preflight import LaunchPlan
 from orchestrator.agent.protocol import AgentFailure
@@ -98,11 +98,11 @@ def check_data_venv(plan: LaunchPlan, req: LaunchRequest, emit) -> dict | None:
     if not has_data_stage(plan, req) or profile.get("kind") != "uv":
         return None
     where = runcommand.data_venv_workdir(req.workdir, profile["name"])
-    actual = venvinfo.current_fingerprint(where, profile)
-    diff = venvinfo.fingerprint_diff(actual, req.data_lock_hash, profile)
+    actual = venvfingerprint.current_fingerprint(where, profile)
+    diff = venvfingerprint.fingerprint_diff(actual, req.data_lock_hash, profile)
     if diff:
         fix = "dflashctl rebuild-venv" + (f" --target {req.target}" if req.target else "") + f" --profile {profile['name']}"
-        # venvinfo's lines name a bare rebuild-venv, which builds the training venv: name the data venv's.
+        # venvfingerprint's lines name a bare rebuild-venv, which builds the training venv: name the data venv's.
         diff = [d.replace("`dflashctl rebuild-venv`", f"`{fix}`") for d in diff]
         raise AgentFailure("VenvMismatch", f"the data stage's venv (profile {profile['name']!r}, in {where}/venvs) does "
                            "not match its lock: " + "; ".join(diff[:6]), fix=fix,

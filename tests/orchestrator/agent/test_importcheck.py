@@ -166,11 +166,11 @@ def _site_with(tmp_path: Path, monkeypatch, wheels: dict[str, str]) -> tuple[Pat
     for name, source in wheels.items():
         _wheel(site, name, source)
     monkeypatch.syspath_prepend(str(site))  # the workers get the verifier's sys.path
-    from orchestrator.agent import venvinfo
+    from orchestrator.agent import bundlescan
 
     # What the bundle imports but this machine lacks (vllm on a CPU workstation): an empty package, found by the
     # bundle check and no distribution (not imported). The lock's completeness is test_venvinfo's subject.
-    for module in venvinfo._missing_bundle_modules():
+    for module in bundlescan.missing_modules():
         (site / module).mkdir()
         (site / module / "__init__.py").write_text("")
     by_name, deps = importcheck.requirements(metadata.distributions())
@@ -192,7 +192,11 @@ def test_a_wheel_whose_import_failed_is_not_recorded_and_is_imported_again(tmp_p
     before = importcheck.load_record(record)
     for _ in range(2):
         res = venvinfo.verify(out=_Quiet, record=record, jobs=1)
-        assert [f["dist"] for f in res["failed"]] == ["ic-badwheel"] and "another Python" in res["failed"][0]["error"]
+        # The failed entry names the module that did not import and its distribution (the refusal's message and
+        # its data read both), and the worker's error.
+        [failed] = res["failed"]
+        assert (sorted(failed), failed["module"], failed["dist"]) == (["dist", "error", "module"], "ic_badwheel", "ic-badwheel")
+        assert "another Python" in failed["error"]
         assert "ic-badwheel" not in res["skipped"] and "ic-okwheel" not in res["skipped"]
         assert keys["ic-badwheel"] not in importcheck.load_record(record)
     assert importcheck.load_record(record) == before  # a refused venv adds nothing

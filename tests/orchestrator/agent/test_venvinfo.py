@@ -1,4 +1,4 @@
-"""orchestrator.agent.venvinfo: what a launch's preflight reads of the venv it would use (a uv venv's
+"""orchestrator.agent.venvinfo and venvfingerprint: what a launch's preflight reads of the venv it would use (a uv venv's
 fingerprint, the target's python3 for a `system` profile), the words it says when they do not match, and the
 post-build verify refusing a venv that lacks what the bundle imports, with nothing written. Real venvs and
 real interpreters; the whole rebuild (uv, locks, containers) is in tests/orchestrator/ops/test_venv.py."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agent import venvinfo
+from orchestrator.agent import venvfingerprint, venvinfo
 
 REPO = Path(__file__).resolve().parents[3]
 UV = {"kind": "uv", "lock": "cpu"}
@@ -26,55 +26,55 @@ def current_venv(workdir: Path, name: str, fingerprint: str | None) -> Path:
     v = workdir / "venvs" / name
     (v / "bin").mkdir(parents=True)
     if fingerprint is not None:
-        (v / venvinfo.FINGERPRINT).write_text(fingerprint)
+        (v / venvfingerprint.FINGERPRINT).write_text(fingerprint)
     (workdir / "venvs" / "current").symlink_to(name)
     return v
 
 
 def test_no_venv_yet_says_so_and_how_to_build_one(tmp_path):
-    fp = venvinfo.current_fingerprint(str(tmp_path), UV)
+    fp = venvfingerprint.current_fingerprint(str(tmp_path), UV)
     assert fp["lock_hash"] is None
-    assert venvinfo.fingerprint_diff(fp, "abc") == [f"no venv built in {tmp_path}/venvs (run `dflashctl rebuild-venv`)"]
+    assert venvfingerprint.fingerprint_diff(fp, "abc") == [f"no venv built in {tmp_path}/venvs (run `dflashctl rebuild-venv`)"]
 
 
 @pytest.mark.parametrize("text", [None, '{"kind": "uv", "lock_h'])  # never written / torn by a crash
 def test_a_venv_without_a_whole_fingerprint_is_never_taken_for_a_built_one(tmp_path, text):
     current_venv(tmp_path, "abc-1", text)
-    fp = venvinfo.current_fingerprint(str(tmp_path), UV)
+    fp = venvfingerprint.current_fingerprint(str(tmp_path), UV)
     assert fp["lock_hash"] is None and fp["venv"] == "abc-1"
-    [why] = venvinfo.fingerprint_diff(fp, "abc")
-    assert venvinfo.FINGERPRINT in why and "dflashctl rebuild-venv" in why
+    [why] = venvfingerprint.fingerprint_diff(fp, "abc")
+    assert venvfingerprint.FINGERPRINT in why and "dflashctl rebuild-venv" in why
 
 
 def test_a_built_venv_matches_its_lock_and_another_profiles_lock_is_named(tmp_path):
     current_venv(tmp_path, "abc-1", json.dumps({"kind": "uv", "lock_hash": "abc", "torch": "2.13.0"}))
-    fp = venvinfo.current_fingerprint(str(tmp_path), UV)
+    fp = venvfingerprint.current_fingerprint(str(tmp_path), UV)
     assert (fp["venv"], fp["lock_hash"], fp["torch"]) == ("abc-1", "abc", "2.13.0")
-    assert venvinfo.fingerprint_diff(fp, "abc") == []
-    assert venvinfo.fingerprint_diff(fp, "def", {"name": "cuda", "lock": "cuda"}) == [
+    assert venvfingerprint.fingerprint_diff(fp, "abc") == []
+    assert venvfingerprint.fingerprint_diff(fp, "def", {"name": "cuda", "lock": "cuda"}) == [
         "the current venv abc-1 was built from lock abc; venv profile 'cuda' (lock cuda) needs lock def "
         "(run `dflashctl rebuild-venv`)"]
 
 
 def test_the_workstation_profile_is_this_interpreter_and_matches_without_a_lock(tmp_path):
-    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "workstation"})
+    fp = venvfingerprint.current_fingerprint(str(tmp_path), {"kind": "workstation"})
     assert fp["executable"] == sys.executable and fp["packages"]["pytest"] == pytest.__version__
-    assert venvinfo.fingerprint_diff(fp, None) == []
+    assert venvfingerprint.fingerprint_diff(fp, None) == []
 
 
 def test_the_system_profile_describes_the_python3_on_path_not_the_agents(tmp_path, monkeypatch):
     bare = tmp_path / "bare"
     venv.create(bare, with_pip=False)  # a python3 with no distributions at all
     monkeypatch.setenv("PATH", f"{bare / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "system"})
+    fp = venvfingerprint.current_fingerprint(str(tmp_path), {"kind": "system"})
     assert fp["executable"] == str(bare / "bin" / "python3") and fp["packages"] == {}
-    assert "error" not in fp and venvinfo.fingerprint_diff(fp, None) == []
+    assert "error" not in fp and venvfingerprint.fingerprint_diff(fp, None) == []
 
 
 def test_the_system_profile_without_python3_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "system"})
-    assert venvinfo.fingerprint_diff(fp, None) == [
+    fp = venvfingerprint.current_fingerprint(str(tmp_path), {"kind": "system"})
+    assert venvfingerprint.fingerprint_diff(fp, None) == [
         "no python3 on PATH in the target (install it: apt-get install -y python3)"]
 
 
@@ -97,7 +97,7 @@ def test_verify_refuses_a_venv_that_lacks_what_the_bundle_imports_and_writes_no_
     [error] = [e for e in events if e["event"] == "error"]
     assert error["type"] == "LockMissesModule" and "torch (trainer/" in error["message"]
     assert error["fix"].endswith("run `dflashctl lock PROFILE`") and "torch" in error["data"]["missing"]
-    assert not (v / venvinfo.FINGERPRINT).exists()
+    assert not (v / venvfingerprint.FINGERPRINT).exists()
 
 
 def test_the_module_refuses_an_unknown_command_with_its_usage(capsys):

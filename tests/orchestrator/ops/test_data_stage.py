@@ -400,10 +400,10 @@ def test_launch_regenerates_with_vllm_in_the_data_venv_then_trains_in_the_traini
 def test_a_training_venv_without_vllm_still_holds_everything_the_bundle_imports():
     """vLLM is the data venv's (and `eval --engine vllm`'s): the bundle's import scan, which rebuild-venv's verify
     step checks every venv against, must not ask a training venv's lock (cpu, cuda) for it."""
-    from orchestrator.agent import venvinfo
+    from orchestrator.agent import bundlescan
     from orchestrator.ops.lock import resolve_lock
 
-    needed = venvinfo.bundle_requirements()
+    needed = bundlescan.bundle_requirements()
     assert "vllm" not in needed and "torch" in needed
     for lock in ("cpu", "cuda"):
         assert "vllm" not in resolve_lock(lock).pins()

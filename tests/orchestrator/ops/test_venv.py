@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agent import venvinfo
+from orchestrator.agent import bundlescan, venvfingerprint, venvinfo
 from orchestrator.errors import AgentError, UserError
 from orchestrator.ops.lock import LockFile, resolve_lock
 from orchestrator.ops.venv import (
@@ -118,7 +118,7 @@ def test_bundle_wheel_is_deterministic_and_its_record_is_true():
     with zipfile.ZipFile(io.BytesIO(w1.data)) as zf:
         distinfo = f"dflashctl_bundle-0+b{b.hash}.dist-info"
         assert zf.read(f"{distinfo}/top_level.txt").decode().split() == ["orchestrator", "trainer"]
-        assert "orchestrator/agent/venvinfo.py" in zf.namelist()
+        assert {f"orchestrator/agent/{m}.py" for m in ("venvinfo", "venvfingerprint", "bundlescan", "importcheck")} <= set(zf.namelist())
         for line in zf.read(f"{distinfo}/RECORD").decode().splitlines():
             name, digest, size = line.split(",")
             if name.endswith("RECORD"):
@@ -229,25 +229,25 @@ def test_bundle_requirements_follow_imports_and_skip_optional_ones(tmp_path):
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    needed = venvinfo.bundle_requirements(search=[str(root)])
+    needed = bundlescan.bundle_requirements(search=[str(root)])
     assert sorted(needed) == ["libtmux", "torch", "yaml"]
     assert needed["yaml"] == ["orchestrator/helper.py:1"]
     assert needed["torch"] == ["trainer/model.py:1", "trainer/model.py:2"]
 
 
 def test_the_real_bundle_needs_torch_and_not_the_workstation_cli():
-    needed = venvinfo.bundle_requirements()
+    needed = bundlescan.bundle_requirements()
     assert "torch" in needed and "transformers" in needed
     assert "typer" not in needed and "paramiko" not in needed
 
 
 def test_fingerprint_api_without_a_venv_and_for_the_workstation(tmp_path):
-    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "uv", "lock": "cpu"})
-    diff = venvinfo.fingerprint_diff(fp, "abc")
+    fp = venvfingerprint.current_fingerprint(str(tmp_path), {"kind": "uv", "lock": "cpu"})
+    diff = venvfingerprint.fingerprint_diff(fp, "abc")
     assert fp["lock_hash"] is None and len(diff) == 1 and "rebuild-venv" in diff[0]
-    ws = venvinfo.current_fingerprint(str(tmp_path), {"kind": "workstation"})
+    ws = venvfingerprint.current_fingerprint(str(tmp_path), {"kind": "workstation"})
     assert ws["lock_hash"] is None and ws["python"] == ".".join(map(str, sys.version_info[:3]))
-    assert ws["packages"]["pydantic"] and venvinfo.fingerprint_diff(ws, None) == []
+    assert ws["packages"]["pydantic"] and venvfingerprint.fingerprint_diff(ws, None) == []
 
 
 # ------------------------------------------------------------------------------- real builds, locally
@@ -271,7 +271,7 @@ def test_build_from_the_cpu_lock(built):
     assert report.action == "built" and report.lock_hash == lock.hash and report.commands == 1
     cur, entries = venvs_state(wd)
     assert cur == report.venv and cur.startswith(lock.hash + "-") and report.venv in entries
-    fp = json.loads((wd / "venvs" / "current" / venvinfo.FINGERPRINT).read_text())
+    fp = json.loads((wd / "venvs" / "current" / venvfingerprint.FINGERPRINT).read_text())
     assert fp["lock_hash"] == lock.hash and fp["torch"] == "2.13.0+cpu" and fp["cuda"] is None
     assert fp["packages"]["transformers"] == lock.pins()["transformers"]
     assert fp["packages"]["dflashctl-bundle"] == f"0+b{report.bundle_hash}"
@@ -670,11 +670,11 @@ def test_container_rebuild_refuses_a_torch_the_driver_cannot_run_before_download
 
 
 def test_a_system_profile_fingerprints_the_targets_python3(tmp_path):
-    fp = venvinfo.current_fingerprint(str(tmp_path), {"kind": "system"})
+    fp = venvfingerprint.current_fingerprint(str(tmp_path), {"kind": "system"})
     py3 = subprocess.run(["python3", "-c", "import platform, sys; print(platform.python_version(), sys.executable)"],
                          capture_output=True, text=True).stdout.split()
     assert fp["kind"] == "system" and [fp["python"], fp["executable"]] == py3 and fp["lock_hash"] is None
-    assert venvinfo.fingerprint_diff(fp, None) == []
+    assert venvfingerprint.fingerprint_diff(fp, None) == []
 
 
 def test_a_uv_that_cannot_run_on_the_target_is_named_with_the_way_out(tmp_path, monkeypatch):
