@@ -48,6 +48,19 @@ def writer(n: int, pause: float, python: str = sys.executable) -> list[str]:
     return [python, "-c", WRITER, str(n), str(pause)]
 
 
+# One numbered line every 0.02 s until the file `stop` exists, then exit 0 (the test decides when the run ends).
+UNTIL = textwrap.dedent(
+    """
+    import os, sys, time
+    stop, deadline, i = sys.argv[1], time.time() + 120, 0
+    while not os.path.exists(stop) and time.time() < deadline:
+        print("line %06d" % i, flush=True)
+        i += 1
+        time.sleep(0.02)
+    """
+)
+
+
 def spec(experiment: str, argv: list[str]) -> LaunchSpec:
     return LaunchSpec(experiment=experiment, kind="command", target="local", command=argv,
                       venv_profile={"kind": "workstation"})
@@ -78,7 +91,8 @@ class Outages:
     the exec that delivers a line is cut right after it (its agent SIGKILLed), then for `down_s` every exec dies
     at once (an interpreter that does not exist, as a host that went away does), then the next exec works."""
 
-    def __init__(self, workdir: str, count: int, down_s: float):
+    def __init__(self, workdir: str, count: int, down_s: float, stop: Path | None = None):
+        self.stop = stop  # made once the last outage is over (the run may end then)
         self.up = LocalTarget(name="local", workdir=workdir, transport=LocalTransport())
         self.down = LocalTarget(name="local", workdir=workdir, transport=LocalTransport(), python="/nonexistent/python3")
         self.left, self.down_s = count, down_s
@@ -93,6 +107,8 @@ class Outages:
                 return self.down.agent(verb, request, on_event=on_event, **kw)
             self.outages.append((time.monotonic() - self.outage_since, self._failed))
             self.outage_since, self._failed = None, 0
+            if not self.left and self.stop is not None:
+                self.stop.touch()
         cut = False
 
         def event(ev):
@@ -113,22 +129,27 @@ class Outages:
 
 
 @pytest.mark.usefixtures("isolated_tmux")
-def test_outages_separated_by_progress_each_get_the_whole_give_up_time(local_target):
-    """Six outages of 0.6 s, each after lines were delivered, with a give-up time of 3 s: together they last
-    longer than 3 s, but none comes near it, so the follow reconnects after each and sees the run to its end,
+def test_outages_separated_by_progress_each_get_the_whole_give_up_time(local_target, tmp_path):
+    """Four outages of 0.5 s, each after lines were delivered, with a give-up time of 1.5 s: together they last
+    longer than 1.5 s, but none comes near it, so the follow reconnects after each and sees the run to its end,
     every line once. (A give-up clock that kept running from the first outage ends it as "lost".)"""
-    n = 400
-    res = launch(local_target, spec("outages", writer(n, 0.05)))
-    target = Outages(local_target.workdir, count=6, down_s=0.6)
+    stop = tmp_path / "stop"
+    res = launch(local_target, spec("outages", [sys.executable, "-c", UNTIL, str(stop)]))
+    target = Outages(local_target.workdir, count=4, down_s=0.5, stop=stop)
     lines: list[str] = []
     statuses: list[str] = []
-    out = follow(target, res.run_id, on_line=lines.append, on_status=statuses.append, heartbeat=1.0,
-                 backoff=Backoff(initial=0.05, factor=2.0, cap=0.2, jitter=0.0, give_up_s=3.0))
-    assert target.left == 0 and len(target.outages) == 6, target.outages
-    assert all(failed >= 1 for _, failed in target.outages) and sum(s for s, _ in target.outages) > 3.0
+    try:
+        out = follow(target, res.run_id, on_line=lines.append, on_status=statuses.append, heartbeat=1.0,
+                     backoff=Backoff(initial=0.05, factor=2.0, cap=0.2, jitter=0.0, give_up_s=1.5))
+    finally:
+        stop.touch()
+    assert target.left == 0 and len(target.outages) == 4, target.outages
+    assert all(failed >= 1 for _, failed in target.outages) and sum(s for s, _ in target.outages) > 1.5
     assert (out.state, out.exit_code, out.error) == ("succeeded", 0, None), (out.error, statuses[-3:])
-    assert [x for x in lines if x.startswith("line ")] == [f"line {i:06d}" for i in range(n)]
-    assert out.reconnects == len(statuses) >= 6 + 6
+    numbered = [x for x in lines if x.startswith("line ")]
+    log = (Path(res.run_dir) / "train.log").read_text().splitlines()
+    assert numbered == [f"line {i:06d}" for i in range(len(numbered))] == [x for x in log if x.startswith("line ")]
+    assert out.reconnects == len(statuses) >= 4 + 4
 
 
 @pytest.mark.usefixtures("isolated_tmux")

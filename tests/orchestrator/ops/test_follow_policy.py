@@ -1,0 +1,210 @@
+"""The follow's reconnect policy in its small parts: the backoff schedule, which errors are worth a reconnect,
+the exit code of each ending (pure functions, exact tables), and follow()'s give-up, refusal and stall branches
+on real runs and real execs (a local target whose interpreter does not exist fails every exec at once, as a
+host that went away does; a tail agent SIGSTOPped mid-follow is a connection that went silent).
+
+Fast on purpose: tests/mutation/run.py's "follow (reconnect policy)" row runs them for every mutant."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import paramiko
+import pytest
+
+from orchestrator.agent.events import Data
+from orchestrator.errors import AgentError, ConnectError, HostKeyError, RemoteCommandError
+from orchestrator.ops.follow import Backoff, _transient, follow
+from orchestrator.ops.followoutcome import FollowOutcome
+from orchestrator.ops.launch import LaunchSpec, launch
+from orchestrator.signatures import UNCLASSIFIED
+from orchestrator.target import LocalTarget
+from orchestrator.transport.local import LocalTransport
+
+# ------------------------------------------------------------------------------------------------ pure parts
+
+
+def test_backoff_delay_grows_by_the_factor_up_to_the_cap():
+    b = Backoff(initial=0.5, factor=3.0, cap=10.0, jitter=0.0)
+    assert [b.delay(i) for i in range(5)] == [0.5, 1.5, 4.5, 10.0, 10.0]
+    assert b.delay(-2) == 0.5  # a negative attempt is the first
+
+
+def test_backoff_jitter_adds_up_to_its_share_of_the_delay_drawn_from_the_given_rng():
+    b = Backoff(initial=2.0, factor=2.0, cap=5.0, jitter=0.25)
+    for attempt, base in [(0, 2.0), (1, 4.0), (2, 5.0)]:
+        expected = base + random.Random(attempt).uniform(0, 0.25 * base)
+        assert b.delay(attempt, random.Random(attempt)) == expected
+        assert base < expected <= base * 1.25
+    # Without an rng: the module's own, within the same bounds, not always the same draw.
+    drawn = {b.delay(1) for _ in range(20)}
+    assert all(4.0 <= d <= 5.0 for d in drawn) and len(drawn) > 1
+
+
+@pytest.mark.parametrize("exc, transient", [
+    (HostKeyError("host key for ct101 has CHANGED"), False),  # never fixes itself
+    (AgentError("agent tail ended without a result", agent_type="AgentDied"), True),
+    (AgentError("bad request: offset", agent_type="BadRequest"), False),
+    (AgentError("the agent failed"), False),
+    (ConnectError("connection refused"), True),
+    (RemoteCommandError("ssh exited 255"), True),
+    (EOFError("channel closed"), True),
+    (ConnectionResetError(104, "reset by peer"), True),
+    (paramiko.SSHException("Error reading SSH protocol banner"), True),
+    (ValueError("a bug in the handling"), False),
+])
+def test_which_errors_are_worth_a_reconnect(exc, transient):
+    assert _transient(exc) is transient
+
+
+def test_the_exit_code_of_each_ending():
+    crash = {"signature": "cuda-oom", "severity": "fatal"}
+    warning = {"signature": "dynamo-recompile-limit", "severity": "warning"}
+    unknown = {"signature": UNCLASSIFIED, "severity": "error"}
+    table = [("lost", [crash], 3), ("stopped", [crash], 5), ("succeeded", [crash], 0), ("running", [], 0),
+             ("failed", [], 1), ("failed", [warning], 1), ("failed", [unknown], 1), ("failed", [warning, crash], 2),
+             ("crashed", [crash], 2), ("crashed", [], 1)]
+    got = [(s, m, FollowOutcome(run_id="r", experiment="e", state=s, matches=m).exit_code) for s, m, _ in table]
+    assert got == table
+
+
+# ------------------------------------------------------------------------------------------ through real execs
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    stop, deadline, i = sys.argv[1], time.time() + 120, 0
+    while not os.path.exists(stop) and time.time() < deadline:
+        print("line %06d" % i, flush=True)
+        i += 1
+        time.sleep(0.02)
+    """
+)
+
+
+def down_target(workdir) -> LocalTarget:
+    """Every exec dies at once: an interpreter that does not exist."""
+    return LocalTarget(name="local", workdir=str(workdir), transport=LocalTransport(), python="/nonexistent/python3")
+
+
+def test_a_connection_that_stays_down_is_given_up_within_the_give_up_time(tmp_path):
+    """Each wait is the schedule's, cut to what is left of the give-up time; the follow ends "lost" (exit 3)
+    once the outage has lasted give_up_s, its error and each status naming the exec's failure."""
+    sleeps: list[float] = []
+    statuses: list[str] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        time.sleep(s)
+
+    t0 = time.monotonic()
+    out = follow(down_target(tmp_path), "r-lost-1", on_status=statuses.append, sleep=sleep,
+                 backoff=Backoff(initial=0.1, factor=2.0, cap=0.4, jitter=0.0, give_up_s=1.0))
+    took = time.monotonic() - t0
+    assert (out.state, out.exit_code) == ("lost", 3)
+    assert 1.0 <= took < 5.0
+    assert sleeps[:3] == [0.1, 0.2, 0.4] and out.reconnects == len(sleeps) == len(statuses)
+    for i, s in enumerate(sleeps):  # never past the give-up time
+        assert 0 <= s <= 1.0 - sum(sleeps[:i]) + 1e-9, sleeps
+    first = "agent tail on local ended (exit 127) without a result: /nonexistent/python3: command not found"
+    assert statuses[0].startswith("connection lost (" + first) and statuses[0].endswith("); reconnecting in 0.1 s")
+    assert "\n" not in statuses[0] and statuses[1].endswith("reconnecting in 0.2 s")
+    assert re.fullmatch(r"connection lost for 1 s: " + re.escape(first) + r".*", out.error), out.error
+    assert out.run_id == "r-lost-1" and out.lines == 0
+
+
+def test_a_show_without_follow_raises_the_execs_error_at_once(tmp_path):
+    sleeps: list[float] = []
+    with pytest.raises(AgentError) as err:
+        follow(down_target(tmp_path), "r-show-1", follow=False, sleep=sleeps.append,
+               backoff=Backoff(initial=0.1, give_up_s=30))
+    assert err.value.agent_type == "AgentDied" and "/nonexistent/python3" in str(err.value)
+    assert sleeps == []
+
+
+def kill_tail_agents(sig: int = signal.SIGKILL) -> list[int]:
+    """Send `sig` to this process's `orchestrator.agent tail` children (the exec serving the follow)."""
+    me, pids = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"orchestrator.agent\0tail" in cmd:
+            try:
+                os.kill(int(entry), sig)
+                pids.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+class Silenced:
+    """A local target whose first exec goes silent after its first line (its agent SIGSTOPped: alive, the pipe
+    open, nothing sent); abort() cuts an exec as a dropped connection does (SIGKILL)."""
+
+    def __init__(self, target: LocalTarget):
+        self.target, self.stopped = target, []
+
+    def agent(self, verb, request=None, *, on_event=None, **kw):
+        def event(ev):
+            on_event(ev)
+            if isinstance(ev, Data) and not self.stopped:
+                self.stopped.extend(kill_tail_agents(signal.SIGSTOP))
+
+        return self.target.agent(verb, request, on_event=event, **kw)
+
+    def abort(self) -> None:
+        kill_tail_agents()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.usefixtures("isolated_tmux")
+def test_a_silent_connection_is_cut_after_the_heartbeat_timeout_and_followed_again(local_target, tmp_path):
+    """The agent goes silent mid-follow: after heartbeat_timeout without an event the exec is cut, the status
+    says why, the follow reconnects from the byte after the last line shown and sees the run to its end."""
+    stop = tmp_path / "stop"
+    res = launch(local_target, LaunchSpec(experiment="silent", kind="command", target="local",
+                                          command=[sys.executable, "-c", WRITER, str(stop)],
+                                          venv_profile={"kind": "workstation"}))
+    target = Silenced(local_target)
+    lines: list[str] = []
+    offsets: list[int] = []
+    statuses: list[str] = []
+
+    def on_status(text: str) -> None:
+        statuses.append(text)
+        stop.touch()  # the run may end now: the cut has been seen
+
+    t0 = time.monotonic()
+    try:
+        out = follow(target, res.run_id, on_line=lines.append, on_offset=offsets.append, on_status=on_status,
+                     heartbeat=0.2, heartbeat_timeout=1.0,
+                     backoff=Backoff(initial=0.1, factor=2.0, cap=0.4, jitter=0.0, give_up_s=20))
+    finally:
+        stop.touch()
+        for pid in target.stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert target.stopped and time.monotonic() - t0 < 30
+    assert statuses == ["connection lost (no heartbeat for 1 s); reconnecting in 0.1 s"]
+    assert (out.state, out.exit_code, out.reconnects) == ("succeeded", 0, 1)
+    log = Path(res.run_dir) / "train.log"
+    numbered = [x for x in lines if x.startswith("line ")]
+    assert numbered == [f"line {i:06d}" for i in range(len(numbered))] and len(numbered) > 1
+    assert numbered == [x for x in log.read_text().splitlines() if x.startswith("line ")]
+    assert offsets == sorted(offsets) and offsets[-1] == log.stat().st_size == out.offsets["log"]
