@@ -4,7 +4,7 @@ refuse the same preflight failures the same way."""
 from __future__ import annotations
 
 from orchestrator.errors import AgentError, PreflightError
-from orchestrator.ops.tmuxfix import tmux_fix
+from orchestrator.ops.tmuxfix import launch_tmux_fix
 
 
 def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: str, *, on_event=None,
@@ -16,8 +16,10 @@ def agent_or_refuse(target, verb: str, request: dict, refusals: set[str], what: 
         return target.agent(verb, request, on_event=on_event, timeout=timeout, answer=answer)
     except AgentError as exc:
         if exc.agent_type == "TmuxMissing":  # the agent cannot know how the user reaches its container
-            exc.message += f" (dflashctl rebuild-venv --target {target.name} installs it too)"
-            exc.fix = tmux_fix(target)
+            exc.fix = launch_tmux_fix(target)
+            if exc.fix.startswith("dflashctl rebuild-venv"):
+                exc.message += (" (rebuild-venv installs it: with apt-get there, or with Debian's packages brought "
+                                "from this workstation when the container cannot reach a mirror)")
         if exc.agent_type in refusals:
             err = PreflightError(f"{what} refused: {exc.message}", fix=exc.fix)
             err.agent_type, err.data = exc.agent_type, exc.data  # type: ignore[attr-defined]
