@@ -227,15 +227,20 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/orchestrator/agent/test_importcheck.py", "tests/orchestrator/agent/test_venvinfo.py",
                   "-k", "recorded or patch_version or verify_record"],
     },
-    "follow (reconnect policy)": {  # --full only: when logs --follow reconnects, gives up, refuses; its exit
-        # codes. Each test follows a real run over real cuts (10 s to a minute on a loaded 2-core machine).
+    "follow (reconnect policy)": {  # --full only: when logs --follow reconnects, gives up, refuses; the tail
+        # exec's error classification and silence watchdog (_tail_once). FollowOutcome.exit_code is a property,
+        # which mutmut does not mutate: test_follow_policy checks it as an exact table.
         "full": True,
-        "files": ["orchestrator/ops/follow.py", "orchestrator/ops/followoutcome.py"],
+        "files": ["orchestrator/ops/follow.py"],
         "functions": ["orchestrator.ops.follow.x_follow__*", "orchestrator.ops.follow.x__transient__*",
-                      "orchestrator.ops.follow.xǁBackoffǁdelay__*",
-                      "orchestrator.ops.followoutcome.xǁFollowOutcomeǁexit_code__*"],
-        "tests": ["tests/orchestrator/ops/test_follow_reconnect.py", "tests/orchestrator/ops/test_logs.py",
-                  "-k", "backoff or lost_for_good or outages or host_key or stopped_during or outcome_json or no_such_run"],
+                      "orchestrator.ops.follow.xǁBackoffǁdelay__*", "orchestrator.ops.follow.x__tail_once__*"],
+        # The pure parts' tables, then follows of real runs (about a second each; the outages test 4 s, the
+        # hang alert's 4 s): not the twenty cuts through the fake Proxmox host, the CLI's, nor the killer's 30k lines.
+        "tests": ["tests/orchestrator/ops/test_follow_policy.py", "tests/orchestrator/ops/test_follow_reconnect.py",
+                  "tests/orchestrator/ops/test_logs.py",
+                  "-k", "policy or backoff or lost_for_good or outages or host_key or stopped_during or outcome_json"
+                        " or no_such_run or one_shot_tail or next_byte or hang_alert or follows_the_severity"
+                        " or later_run"],
     },
     # Not here: the loop's gradient accumulation (trainer.loop.train_step runs only inside trainer processes,
     # where mutmut cannot see which test ran it; its mutants are in tests/mutation/hand_mutants.py, with the
