@@ -204,3 +204,39 @@ def test_the_oom_fix_names_the_ctid_inside_a_real_lxc_container(fake_pve):
         import shutil
 
         shutil.rmtree(here, ignore_errors=True)
+
+
+def test_an_oom_kill_by_a_real_lxc_containers_memory_limit_is_counted_and_named_inside_it(fake_pve):
+    """Inside an unprivileged LXC container with Proxmox's `memory: 256` (no swap), the launcher's view of its
+    memory cgroup (trainer.faults, read from the container's cgroup namespace, v1 or v2 as the host runs) has
+    the container's limit; a child that allocates past it is SIGKILLed by the container's OOM killer, and the
+    counter read before and after names that kill with the limit and the `pct set` that raises it."""
+    from fakehost import STOCK
+
+    ct = fake_pve.create_container(354, gpus=0, image=STOCK, hostname="CT354", memory_mib=256)
+    here = fake_pve.storage() / f"faults-oom-{os.getpid()}"
+    probe = (
+        "import json, subprocess, sys\n"
+        f"sys.path.insert(0, {str(here)!r})\n"
+        "import faults\n"
+        "before = faults.memory_cgroup()\n"
+        "hog = subprocess.run([sys.executable, '-c', 'x = bytearray(512 << 20); x[::4096] = b\"\\\\x01\" * (len(x) // 4096)'])\n"
+        "oom = faults.oom_since(before)\n"
+        "print(json.dumps({'limit': before.limit_bytes, 'version': before.version, 'hog': hog.returncode,\n"
+        "                  'oom': oom, 'fix': faults.raise_memory_fix(before.limit_bytes)}))\n")
+    try:
+        here.mkdir(exist_ok=True)
+        (here / "faults.py").write_text((REPO / "trainer" / "faults.py").read_text())
+        res = ct.exec(["env", "-u", "DFLASHCTL_CTID", "python3", "-c", probe])
+        assert res.returncode == 0, res.stderr.decode()
+        got = json.loads(res.stdout.decode().strip().splitlines()[-1])
+        assert got["limit"] == 256 << 20, got
+        assert got["hog"] == -signal.SIGKILL, got  # the kernel's OOM killer, not a MemoryError
+        assert got["oom"] is not None and got["oom"]["kills"] >= 1 and got["oom"]["limit_mib"] == 256, got
+        assert got["oom"]["counter"].startswith(("memory.oom_control oom_kill ", "memory.events oom_kill ")), got
+        assert got["fix"] == "on the Proxmox host: pct set 354 --memory 512", got
+    finally:
+        fake_pve.remove_container(354)
+        import shutil
+
+        shutil.rmtree(here, ignore_errors=True)
