@@ -3,7 +3,7 @@
 Loading is two passes, the second only when an error must be placed:
 
 - `load_data` parses with libyaml (PyYAML's CSafeLoader) straight to plain data: no line index, no node graph
-  kept. A large file's data is also kept in a cache keyed by its text's SHA-256 (marshal, beside the state
+  kept; the plain str/map/seq nodes are built by one walk of ours, the rest by PyYAML's safe constructor. A large file's data is also kept in a cache keyed by its text's SHA-256 (marshal, beside the state
   dir), so the next command reads it back in a fraction of the parse (bench/inventory_load.py).
 - `key_lines` composes the same text again with its marks and maps every key path to its 1-based line,
   refusing duplicate keys at their line. It runs for a duplicate the first pass noticed, for validation or
@@ -59,26 +59,124 @@ class DuplicateKey(Exception):
 
 # libyaml's C parser and composer (PyYAML's pure-Python composer took ~200 s on a 10 MB inventory); the
 # nodes it composes keep their marks, so the second pass still points every error at its line.
+_STR = "tag:yaml.org,2002:str"
+_MAP = "tag:yaml.org,2002:map"
+_SEQ = "tag:yaml.org,2002:seq"
+# Scalars whose constructed value is immutable and depends only on (tag, text): built once per distinct value.
+_SHARED = frozenset(f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool", "null"))
+
+
 class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-    """libyaml's loader whose implicit-tag resolution (Python, once per scalar) is remembered per distinct
-    scalar: an inventory repeats the same few values (kinds, hosts, GPU numbers) thousands of times."""
+    """libyaml's loader, two things faster for an inventory's shape (bench/inventory_load.py):
+
+    - implicit-tag resolution (Python, called by the C composer once per scalar) is remembered per distinct
+      plain scalar (an inventory repeats the same few values thousands of times), and a quoted scalar is a
+      string without a lookup, as YAML's resolver says;
+    - the data is built from the node graph by one walk for the plain str/map/seq nodes (PyYAML's generic
+      constructor costs ~3 us a node); every other node (an int, a date, a `<<` merge, a non-text key, an
+      explicit tag) goes to that constructor, so the data and its errors are exactly the safe loader's.
+    """
 
     _tags: dict = {}
+    _refuse_duplicates = False  # the first pass: a mapping shorter than its entries raises DuplicateKey
 
     def resolve(self, kind, value, implicit):
-        if kind is not yaml.ScalarNode:
+        if kind is not yaml.ScalarNode or self.yaml_path_resolvers:
             return super().resolve(kind, value, implicit)
-        key = (value, implicit)
-        tag = self._tags.get(key)
+        if not implicit[0]:  # quoted: no implicit tag (BaseResolver's default, without its walk)
+            return self.DEFAULT_SCALAR_TAG
+        tag = self._tags.get(value)
         if tag is None:
             tag = super().resolve(kind, value, implicit)
             if len(self._tags) < 65536:  # bounded: a file of unique values gains nothing from it
-                self._tags[key] = tag
+                self._tags[value] = tag
         return tag
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        return _Builder(self).value(node)
+
+
+class _Builder:
+    """The walk of Loader.get_single_data: plain str/map/seq nodes built here, everything else by the loader's
+    own constructor (`construct_object`, deep), whose result for an immutable scalar is shared by value."""
+
+    def __init__(self, loader: Loader):
+        self.construct = loader.construct_object
+        self.refuse_duplicates = loader._refuse_duplicates
+        self.shared: dict = {}
+
+    def value(self, node):
+        cls = node.__class__
+        if cls is yaml.ScalarNode:
+            return node.value if node.tag == _STR else self.scalar(node)
+        if cls is yaml.MappingNode and node.tag == _MAP:
+            return self.mapping(node)
+        if cls is yaml.SequenceNode and node.tag == _SEQ:
+            return self.sequence(node)
+        return self.generic(node)
+
+    def generic(self, node):
+        """The safe constructor's value of `node`; a value its tag cannot hold (`!!int x`, a 13th month) is a
+        YAML error at the node's line, like every other."""
+        try:
+            return self.construct(node, deep=True)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.tag.rpartition(':')[2] or node.tag} value {_shown(node)} is not valid ({exc})",
+                node.start_mark) from None
+
+    def scalar(self, node):
+        if node.tag not in _SHARED:
+            return self.generic(node)
+        key = (node.tag, node.value)
+        try:
+            return self.shared[key]
+        except KeyError:
+            out = self.shared[key] = self.generic(node)
+            return out
+
+    def mapping(self, node):
+        out = {}
+        value, scalar, mapping, sequence = self.value, yaml.ScalarNode, self.mapping, self.sequence
+        for k, v in node.value:
+            if k.__class__ is not scalar or k.tag != _STR:  # a merge, a `=` key, a non-text key: the constructor's
+                out = self.generic(node)
+                break
+            cls = v.__class__
+            if cls is scalar:
+                out[k.value] = v.value if v.tag == _STR else self.scalar(v)
+            elif cls is yaml.MappingNode and v.tag == _MAP:
+                out[k.value] = mapping(v)
+            elif cls is yaml.SequenceNode and v.tag == _SEQ:
+                out[k.value] = sequence(v)
+            else:
+                out[k.value] = value(v)
+        if self.refuse_duplicates and len(out) != len(node.value):
+            raise DuplicateKey
+        return out
+
+    def sequence(self, node):
+        out = []
+        append, scalar = out.append, yaml.ScalarNode
+        for v in node.value:
+            if v.__class__ is scalar:
+                append(v.value if v.tag == _STR else self.scalar(v))
+            else:
+                append(self.value(v))
+        return out
+
+
+def _shown(node) -> str:
+    return repr(node.value) if isinstance(node.value, str) else f"at column {node.start_mark.column + 1}"
 
 
 class _DataLoader(Loader):
     """The first pass: plain data; a mapping whose dict is shorter than its entries raises DuplicateKey."""
+
+    _refuse_duplicates = True
 
     def construct_mapping(self, node, deep=False):
         mapping = super().construct_mapping(node, deep=deep)
