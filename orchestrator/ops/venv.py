@@ -36,7 +36,7 @@ from pathlib import Path
 
 from orchestrator.agent import driver
 from orchestrator.agent.runcommand import data_venv_workdir
-from orchestrator.agent.venvfingerprint import FINGERPRINT
+from orchestrator.agent.venvfingerprint import FINGERPRINT, profile_kind
 from orchestrator.agent.venvinfo import BUNDLE_DIST, STAMP
 from orchestrator import assets
 from orchestrator.errors import AgentError, UserError
@@ -80,21 +80,16 @@ class UvProfile:
 AS_IS_KINDS = ("workstation", "system")
 
 
-def profile_kind(profile) -> str:
-    data = profile.model_dump() if hasattr(profile, "model_dump") else dict(profile or {})
-    return str(data.get("kind", "uv"))
-
-
 def as_profile(profile) -> UvProfile | None:
     """A UvProfile from an inventory model or a dict; None for the `workstation` and `system` kinds.
 
     Raises:
         UserError: an unknown kind, a python request with spaces or shell characters, keep < 1.
     """
-    data = profile.model_dump() if hasattr(profile, "model_dump") else dict(profile or {})
-    kind = data.get("kind", "uv")
+    kind = profile_kind(profile)  # the agent's one rule: no profile is the running interpreter
     if kind in AS_IS_KINDS:
         return None
+    data = profile.model_dump() if hasattr(profile, "model_dump") else dict(profile)
     if kind != "uv":
         raise UserError(f"venv profile kind {kind!r} cannot be rebuilt", fix="use kind: uv (or system / workstation)")
     p = UvProfile(

@@ -101,6 +101,10 @@ def test_script_argv_passes_values_as_arguments_never_in_the_text():
 
 def test_profile_validation():
     assert as_profile({"kind": "workstation"}) is None and as_profile({"kind": "system"}) is None
+    # No profile is the running interpreter, as the agent reads it (one rule, venvfingerprint.profile_kind): it
+    # builds nothing, not a uv venv of the default lock.
+    assert as_profile({}) is None and as_profile(None) is None
+    assert as_profile({"kind": "uv"}) is not None and as_profile({"lock": "cpu"}).lock == "cpu"
     with pytest.raises(UserError, match="python request"):
         as_profile({"kind": "uv", "python": "3.11; rm -rf /"})
     with pytest.raises(UserError, match="cannot be rebuilt"):
