@@ -18,7 +18,7 @@ _CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _STAMP = "%Y%m%dT%H%M%SZ"
 STAMP_LEN = len("20260101T000000Z")
 CLASH_MAX = 99
-"""runs/<id> clashes (same experiment, tag and second) get -2 ... -99 (agent.runs.free_run_id, make_run_dir)."""
+"""runs/<id> clashes (same experiment, tag and second) get -2 ... -99 (agent.rundirs.free_run_id, make_run_dir)."""
 RUN_ID_MAX = NAME_MAX + 1 + NAME_MAX + 1 + STAMP_LEN + len(f"-{CLASH_MAX}")
 SESSION_PREFIX = "dflash-"
 RULE = "A-Z a-z 0-9 . _ -, starting with a letter or digit, no '..'"

@@ -5,7 +5,7 @@
 
 A launch claims every GPU of its run before it looks at nvidia-smi, all or none, and keeps the claims while
 its preflight runs (phase "launch": live while the launching agent process lives). Once the run's session
-has started they pass to the run (phase "run": live while the run runs, by orchestrator.agent.runs). A
+has started they pass to the run (phase "run": live while the run runs, by orchestrator.agent.liveness). A
 failed launch releases them at once; a claim whose launch process or run has ended is stale and is dropped
 by the next claim, so a killed agent or a run that ended (or was stopped, or crashed) never keeps a GPU.
 
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from orchestrator import names
-from orchestrator.agent import runprocs, runs
+from orchestrator.agent import atomic, liveness, rundirs, runprocs
 from orchestrator.agent.protocol import AgentFailure
 
 CLAIMS_NAME = "gpus.json"
@@ -56,44 +56,44 @@ class _Mutex:
 
 
 def _read(workdir: str | Path) -> dict[str, dict]:
-    data = runs.read_json(locks_dir(workdir) / CLAIMS_NAME) or {}
+    data = rundirs.read_json(locks_dir(workdir) / CLAIMS_NAME) or {}
     return {k: v for k, v in data.items() if isinstance(v, dict)}
 
 
 def _write(workdir: str | Path, claims: dict[str, dict]) -> None:
-    runs.write_json(locks_dir(workdir) / CLAIMS_NAME, claims)
+    atomic.write_json(locks_dir(workdir) / CLAIMS_NAME, claims)
 
 
 def this_process() -> dict:
     """The fields that make a launch-phase claim recognisable as this process's (pid and its start time)."""
-    return {"pid": os.getpid(), "pid_start": runs.process_start(os.getpid())}
+    return {"pid": os.getpid(), "pid_start": liveness.process_start(os.getpid())}
 
 
 def claim_alive(workdir: str | Path, claim: dict) -> bool:
     """Whether a claim still holds its GPU.
 
     phase "launch": the launching process exists and started when the claim says (a reused pid does not
-    count). phase "run": a process of the run lives (orchestrator.agent.runs.live_processes), whatever
+    count). phase "run": a process of the run lives (orchestrator.agent.liveness.live_processes), whatever
     exit.json says; else the run has no exit.json and run_alive does not know it gone.
     """
     if claim.get("phase") == "launch":
         pid = claim.get("pid")
-        if not isinstance(pid, int) or not runs.pid_alive(pid):
+        if not isinstance(pid, int) or not liveness.pid_alive(pid):
             return False
-        then, now = claim.get("pid_start"), runs.process_start(pid)
+        then, now = claim.get("pid_start"), liveness.process_start(pid)
         return then is None or now is None or abs(float(then) - now) <= 2.0
     rid = claim.get("run_id")
     if not isinstance(rid, str) or not names.is_valid(rid, names.RUN_ID_MAX):
         return False
-    path = runs.runs_root(workdir) / rid
+    path = rundirs.runs_root(workdir) / rid
     if not path.is_dir():
         return False
-    ref = runs.load_ref(path)
-    if runs.live_processes(ref):
+    ref = rundirs.load_ref(path)
+    if liveness.live_processes(ref):
         return True  # exit.json or not: a rank that outlived its launcher still holds its GPU
     # Unknown liveness (no tmux to ask, no pid file yet) keeps the GPU: freeing a GPU a trainer still uses
     # puts two runs on it.
-    return runs.read_exit(ref) is None and runs.run_alive(ref) is not False
+    return rundirs.read_exit(ref) is None and liveness.run_alive(ref) is not False
 
 
 def held(workdir: str | Path, gpus: list[int]) -> dict[int, dict]:
@@ -136,10 +136,10 @@ def _with_survivors(workdir, claim: dict) -> dict:
     rid = claim.get("run_id")
     if claim.get("phase") != "run" or not isinstance(rid, str) or not names.is_valid(rid, names.RUN_ID_MAX):
         return claim
-    ref = runs.load_ref(runs.runs_root(workdir) / rid)
-    if runs.read_exit(ref) is None:
+    ref = rundirs.load_ref(rundirs.runs_root(workdir) / rid)
+    if rundirs.read_exit(ref) is None:
         return claim
-    left = runs.live_processes(ref)
+    left = liveness.live_processes(ref)
     return {**claim, "survivors": runprocs.describe_all(left)} if left else claim
 
 
@@ -173,7 +173,7 @@ def claim(workdir: str | Path, gpus: list[int], holder: dict, emit, wait_s: floa
             running.
     """
     token = f"{os.getpid()}-{time.monotonic_ns()}"
-    entry = {**holder, **this_process(), "phase": "launch", "since": runs.utc_now(), "token": token}
+    entry = {**holder, **this_process(), "phase": "launch", "since": rundirs.utc_now(), "token": token}
     start = time.monotonic()
     announced = False
     while True:
@@ -201,7 +201,7 @@ def promote(workdir: str | Path, token: str, run_id: str) -> None:
         claims = _read(workdir)
         for c in claims.values():
             if c.get("token") == token:
-                c.update(phase="run", run_id=run_id, since=runs.utc_now())
+                c.update(phase="run", run_id=run_id, since=rundirs.utc_now())
         _write(workdir, claims)
 
 

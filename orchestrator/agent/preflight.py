@@ -17,7 +17,7 @@ from pathlib import Path
 
 # driver and venvfingerprint too, though only a run on GPUs and a venv check use them: the agent imports its verb
 # before it reads the request, so their import is not on a launch's path once the request is there.
-from orchestrator.agent import claims, driver, gpu, resume, runprocs, runs, tmuxctl, venvfingerprint
+from orchestrator.agent import claims, driver, gpu, liveness, resume, rundirs, runprocs, tmuxctl, venvfingerprint
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import LaunchAnswer, LaunchRequest
 from orchestrator.agent.runcommand import ENV_FILE, SCRIPT_NAME, build_command, run_config
@@ -52,12 +52,12 @@ def check_run_processes(workdir: str, experiment: str, replacing: str | None) ->
         AgentFailure("RunProcessesAlive"): naming the run and each process (pid, command line).
     """
     marked = runprocs.marked_processes()
-    for ref in runs.run_refs(workdir):
+    for ref in rundirs.run_refs(workdir):
         if ref.experiment != experiment or ref.run_id == replacing:
             continue
-        if runprocs.of_run(marked, ref.path) or (runs.read_pid(ref.path) is not None and runs.command_alive(ref)):
-            runs.check_no_processes(ref, f"cannot launch {experiment}",
-                                    fix=f"dflashctl stop {ref.run_id}   (ends every process of it), then launch again")
+        if runprocs.of_run(marked, ref.path) or (liveness.read_pid(ref.path) is not None and liveness.command_alive(ref)):
+            liveness.check_no_processes(ref, f"cannot launch {experiment}",
+                                        fix=f"dflashctl stop {ref.run_id}   (ends every process of it), then launch again")
 
 
 LIBRARIES_BYTES = 150 << 20
@@ -78,7 +78,7 @@ def _dims(config: dict, workdir: str) -> dict | None:
     if model.get("target", "tiny") == "tiny":
         dims = model.get("tiny_target") or {}
     else:
-        dims = runs.read_json(Path(str(model.get("target"))) / "config.json") or {}
+        dims = rundirs.read_json(Path(str(model.get("target"))) / "config.json") or {}
         dims = dims.get("text_config") or dims
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
     if not all(isinstance(dims.get(k), int) for k in keys):
@@ -352,13 +352,13 @@ def plan(req: LaunchRequest, emit) -> LaunchPlan:
         AgentFailure: the refusals a launch makes before it changes anything (BadName, BadRunId,
             SessionExists, RunProcessesAlive, ResumeNotFound, ResumeMismatch, NothingToResume, BadRequest, ...).
     """
-    session = tmuxctl.session_name(runs.check_name("experiment", req.experiment))
+    session = tmuxctl.session_name(rundirs.check_name("experiment", req.experiment))
     old = check_session(session, req.experiment, req.replace)
     src = resume_source(req, emit)  # first: a resume of a run with a live process is refused as a resume
     check_run_processes(req.workdir, req.experiment, old.get("run_id") if old is not None and req.replace else None)
     gpus = run_gpus(req, src, emit)
-    run_id = runs.free_run_id(req.workdir, runs.check_run_id(req.run_id))
-    run_dir = runs.runs_root(req.workdir) / run_id
+    run_id = rundirs.free_run_id(req.workdir, rundirs.check_run_id(req.run_id))
+    run_dir = rundirs.runs_root(req.workdir) / run_id
     dflash = req.kind == "dflash"
     config = run_config(req, run_dir, src) if dflash else None
     # A run that ended in its data stage has nothing for the trainer to resume: it trains from step 0.

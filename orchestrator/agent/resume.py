@@ -30,7 +30,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.agent import runs
+from orchestrator.agent import atomic, liveness, rundirs
 from orchestrator.agent.protocol import AgentFailure
 
 _CHECKPOINT = re.compile(r"^step_(\d{8})$")
@@ -82,12 +82,12 @@ def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str,
         AgentFailure: BadRunId; ResumeNotFound (no such run directory); ResumeMismatch (another experiment
             or kind); RunProcessesAlive (a process of the run still lives, named); NothingToResume (kind dflash without config.json or without a complete checkpoint).
     """
-    runs.check_run_id(run_id)
-    run_dir = runs.runs_root(workdir) / run_id
+    rundirs.check_run_id(run_id)
+    run_dir = rundirs.runs_root(workdir) / run_id
     if not run_dir.is_dir():
-        raise AgentFailure("ResumeNotFound", f"no run {run_id} in {runs.runs_root(workdir)}",
+        raise AgentFailure("ResumeNotFound", f"no run {run_id} in {rundirs.runs_root(workdir)}",
                            fix="`dflashctl status` lists the runs of this target", data={"run_id": run_id})
-    info = runs.read_json(run_dir / "run.json") or {}
+    info = rundirs.read_json(run_dir / "run.json") or {}
     other = info.get("experiment")
     if other != experiment:
         raise AgentFailure(
@@ -101,12 +101,12 @@ def find_source(workdir: str | Path, run_id: str, experiment: str, kind: str,
                            fix="launch without --resume", data={"run_id": run_id})
     # Two trainers must never write one run's checkpoints: a rank of the old run that outlived its launcher
     # (or a run still going) would keep saving into what is seeded here.
-    runs.check_no_processes(runs.load_ref(run_dir), f"cannot resume run {run_id}",
-                            fix=f"dflashctl stop {run_id}   (then resume it again)")
+    liveness.check_no_processes(rundirs.load_ref(run_dir), f"cannot resume run {run_id}",
+                                fix=f"dflashctl stop {run_id}   (then resume it again)")
     src = ResumeSource(run_id, run_dir, kind)
     if kind != "dflash":
         return src
-    src.config = runs.read_json(run_dir / "config.json")
+    src.config = rundirs.read_json(run_dir / "config.json")
     if src.config is None:
         raise AgentFailure("NothingToResume", f"run {run_id} has no readable config.json in {run_dir}",
                            fix="launch without --resume to start fresh", data={"run_id": run_id})
@@ -180,7 +180,7 @@ def seed(src: ResumeSource, new_dir: Path) -> list[str]:
             seeded.append(name)
     for name in _COPIED_FILES:
         if (src.run_dir / name).is_file():
-            runs.write_bytes(new_dir / name, (src.run_dir / name).read_bytes())
+            atomic.write_bytes(new_dir / name, (src.run_dir / name).read_bytes())
             seeded.append(name)
     return seeded
 

@@ -23,7 +23,7 @@ import os
 import signal
 import time
 
-from orchestrator.agent import runprocs, runs, tmuxctl
+from orchestrator.agent import atomic, liveness, rundirs, runprocs, tmuxctl
 from orchestrator.agent.protocol import AgentFailure
 
 _POLL_S = 0.1
@@ -40,15 +40,15 @@ class _Run:
 
     def pgid(self) -> int | None:
         """The group to signal: the pid file's (when its leader is not a reused pid), else the live pane's."""
-        pid = runs.read_pid(self.run_dir)
-        if pid is not None and runs.command_alive(runs.load_ref(self.run_dir)) is not False:
+        pid = liveness.read_pid(self.run_dir)
+        if pid is not None and liveness.command_alive(rundirs.load_ref(self.run_dir)) is not False:
             return pid
         return self.pane_pid if pid is None else None
 
     def left(self) -> list[runprocs.RunProcess]:
         """Every live process of the run (the group's and the marked ones), by pid."""
-        found = {p.pid: p for p in runs.live_processes(runs.load_ref(self.run_dir))}
-        if self.pane_pid is not None and runs.read_pid(self.run_dir) is None:
+        found = {p.pid: p for p in liveness.live_processes(rundirs.load_ref(self.run_dir))}
+        if self.pane_pid is not None and liveness.read_pid(self.run_dir) is None:
             for p in runprocs.group_members(self.pane_pid):
                 found.setdefault(p.pid, p)
         return sorted(found.values(), key=lambda p: p.pid)
@@ -74,14 +74,14 @@ class _Run:
 
     def wrapper_alive(self) -> bool:
         """Whether the pane's wrapper may still write exit.json."""
-        return self.pane_pid is not None and runs.pid_alive(self.pane_pid)
+        return self.pane_pid is not None and liveness.pid_alive(self.pane_pid)
 
 
 def _record_stop(run_dir, requested_by: dict | None) -> None:
     """stop.json: who asked, through which verb, and when (the wrapper copies it into exit.json)."""
     who = requested_by or {}
-    runs.write_json(run_dir / runs.STOP_NAME, {"by": str(who.get("by") or "unknown"),
-                                               "via": str(who.get("via") or "dflashctl stop"), "at": runs.utc_now()})
+    atomic.write_json(run_dir / rundirs.STOP_NAME, {"by": str(who.get("by") or "unknown"),
+                                                    "via": str(who.get("via") or "dflashctl stop"), "at": rundirs.utc_now()})
 
 
 def _wait(until, seconds: float) -> bool:
@@ -108,10 +108,10 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit, requested_by: dict
         AgentFailure("StopFailed"): processes of the run still live after SIGKILL (named with pid, command
             line and state).
     """
-    runs.check_run_id(run_id)
-    run_dir = runs.runs_root(workdir) / run_id
+    rundirs.check_run_id(run_id)
+    run_dir = rundirs.runs_root(workdir) / run_id
     if not run_dir.is_dir():
-        raise AgentFailure("RunNotFound", f"no run {run_id} in {runs.runs_root(workdir)}", fix="dflashctl status")
+        raise AgentFailure("RunNotFound", f"no run {run_id} in {rundirs.runs_root(workdir)}", fix="dflashctl status")
     session = next((s for s in tmuxctl.list_sessions() if s.get("run_id") == run_id), None)
     run = _Run(run_dir, session)
     signals_sent: list[str] = []
@@ -155,14 +155,14 @@ def stop_run(workdir: str, run_id: str, grace_s: float, emit, requested_by: dict
     if session is not None:
         # The pane is dead now (remain-on-exit kept it); free the name for the next launch.
         tmuxctl.kill_session(session["name"])
-    ref = runs.load_ref(run_dir)
-    exit_info = runs.read_exit(ref)
+    ref = rundirs.load_ref(run_dir)
+    exit_info = rundirs.read_exit(ref)
     return {
         "run_id": run_id,
         "signals": signals_sent,
         "already_ended": bool(already),
         "exit": exit_info,
         # nothing of the run is left by now
-        "state": runs.state_of(exit_info, False, runs.stopped_by(ref, exit_info)),
+        "state": liveness.state_of(exit_info, False, liveness.stopped_by(ref, exit_info)),
         "session": session["name"] if session else None,
     }

@@ -1,6 +1,6 @@
 """Agent-side pieces of `tail`: read a growing file in whole lines from a byte offset, wait for changes
-cheaply, and find the last good run's throughput. Finding runs, their state and their liveness live in
-orchestrator.agent.runs. Standard library only.
+cheaply, and find the last good run's throughput. Finding runs lives in orchestrator.agent.rundirs, their
+state and their liveness in orchestrator.agent.liveness. Standard library only.
 
 Offsets are byte offsets into the file. A chunk handed out always ends with a newline (a partial last line
 is held back until its newline arrives or the run is over), so "the offset after the last complete line
@@ -17,7 +17,8 @@ import select
 import time
 from pathlib import Path
 
-from orchestrator.agent.runs import RunRef, created_key, read_exit, run_refs, state_of, stopped_by
+from orchestrator.agent.liveness import state_of, stopped_by
+from orchestrator.agent.rundirs import created_key, read_exit, run_refs, RunRef
 
 # One read from a file per pump; one event carries at most this much (the JSON line stays small enough
 # for the workstation to parse without stalls).
@@ -78,7 +79,7 @@ def throughput_summary(metrics_path: Path, skip_first: int = 3) -> dict | None:
 
 def last_good_baseline(workdir: str | Path, ref: RunRef) -> dict | None:
     """The last good run: throughput of the newest run of the same experiment, older than `ref`, whose state
-    is "succeeded" (runs.state_of: ended with exit 0 and not stopped by `dflashctl stop` or `launch
+    is "succeeded" (liveness.state_of: ended with exit 0 and not stopped by `dflashctl stop` or `launch
     --replace`, whose trainer may exit 0 on SIGINT after a shortened run). The one definition of it."""
     if not ref.experiment:
         return None

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrator import names
-from orchestrator.agent import runs as agent_runs
+from orchestrator.agent import rundirs
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.errors import UserError
 from orchestrator.inventory import check_name, check_run_ref
@@ -43,7 +43,7 @@ def test_run_ids_refuse_a_newline_a_slash_and_dotdot():
         with pytest.raises(UserError, match="bad run id"):
             check_run_ref(bad)
         with pytest.raises(AgentFailure) as info:
-            agent_runs.check_run_id(bad)
+            rundirs.check_run_id(bad)
         assert info.value.type == "BadRunId"
 
 
@@ -67,7 +67,7 @@ def test_the_longest_names_make_a_run_id_every_consumer_accepts():
     rid = names.run_id(EXPERIMENT, TAG)
     longest = names.clash_variant(rid, names.CLASH_MAX)
     assert len(longest) == names.RUN_ID_MAX
-    assert check_run_ref(longest) == longest and agent_runs.check_run_id(longest) == longest
+    assert check_run_ref(longest) == longest and rundirs.check_run_id(longest) == longest
     assert names.session_name(EXPERIMENT) == "dflash-qwen3_5-8b-drafter-3x-h200-flex-" + "x" * 32
 
 
@@ -92,7 +92,7 @@ def test_any_accepted_experiment_and_tag_give_a_run_id_every_consumer_accepts(ex
     for n in (1, 2, names.CLASH_MAX):
         variant = names.clash_variant(rid, n)
         assert check_run_ref(variant) == variant
-        assert agent_runs.check_run_id(variant) == variant
+        assert rundirs.check_run_id(variant) == variant
     session = names.session_name(experiment)
     assert "." not in session and ":" not in session  # tmux would rename it
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orchestrator import names, records
-from orchestrator.agent import runs as agent_runs
+from orchestrator.agent import rundirs
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.errors import UserError
 from orchestrator.inventory import check_name, check_run_ref
@@ -63,18 +63,18 @@ def test_every_run_id_launch_makes_is_accepted_and_found_by_every_consumer(tmux_
         assert check_name("tag", tag) == tag
     rid = names.clash_variant(names.run_id(experiment, tag, when), clash)
     assert len(rid) <= names.RUN_ID_MAX
-    assert check_run_ref(rid) == rid and agent_runs.check_run_id(rid) == rid
+    assert check_run_ref(rid) == rid and rundirs.check_run_id(rid) == rid
 
     with tempfile.TemporaryDirectory() as d:
         # The agent: the run directory is made under that very name and found by it and by its experiment.
         workdir = Path(d) / "work"
-        used = agent_runs.free_run_id(workdir, rid)
-        path = agent_runs.make_run_dir(workdir, used)
+        used = rundirs.free_run_id(workdir, rid)
+        path = rundirs.make_run_dir(workdir, used)
         assert used == rid and path.name == rid
         (path / "run.json").write_text(json.dumps({"run_id": rid, "experiment": experiment,
                                                    "created": "2026-01-01T00:00:00Z"}))
-        assert agent_runs.resolve_run(workdir, rid).run_id == rid
-        assert agent_runs.resolve_run(workdir, None, experiment).run_id == rid
+        assert rundirs.resolve_run(workdir, rid).run_id == rid
+        assert rundirs.resolve_run(workdir, None, experiment).run_id == rid
         # The workstation's records: written under the id, found by the id, by the experiment, by a prefix.
         monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(Path(d) / "state"))
         records.append_record({"run_id": rid, "experiment": experiment})
@@ -105,7 +105,7 @@ def test_nothing_with_a_newline_a_slash_or_dotdot_passes_anywhere(before, bad, a
     with pytest.raises(UserError, match="bad run id"):
         check_run_ref(text)
     with pytest.raises(AgentFailure) as info:
-        agent_runs.check_run_id(text)
+        rundirs.check_run_id(text)
     assert info.value.type == "BadRunId"
     with pytest.raises(names.BadName, match=r"bad experiment name .*: use 1-64 characters"):
         names.check("experiment", text)

@@ -26,7 +26,7 @@ import socket
 from pathlib import Path
 
 from orchestrator import assets, ownlines
-from orchestrator.agent import claims, gpu, preflight, resume, runcommand, runs, stopping, tmuxctl, venvfingerprint
+from orchestrator.agent import atomic, claims, gpu, launchlock, preflight, resume, runcommand, rundirs, stopping, tmuxctl, venvfingerprint
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.preflight import LaunchPlan
 from orchestrator.agent.protocol import AgentFailure
@@ -43,9 +43,9 @@ def run(request: dict, emit) -> dict:
         check_data_venv(plan, req, emit)
         return plan.answer(dry_run=True, fingerprint=fingerprint).to_json()
     # Held across the whole preflight, until the session runs: one launch of this experiment at a time.
-    lock = runs.LaunchLock(req.workdir, req.experiment)
+    lock = launchlock.LaunchLock(req.workdir, req.experiment)
     lock.acquire({"pid": os.getpid(), "host": socket.gethostname(), "run_id": req.run_id,
-                  "experiment": req.experiment, "since": runs.utc_now()})
+                  "experiment": req.experiment, "since": rundirs.utc_now()})
     emit.progress("lock", f"holding {lock.path}")
     try:
         return execute(preflight.plan(req, emit), req, emit)
@@ -148,20 +148,20 @@ def _clear_session(plan: LaunchPlan, req: LaunchRequest, emit) -> dict | None:
 def _start_run(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | None, fingerprint: dict,
                seen: list[dict], emit) -> LaunchAnswer:
     """After the preflight: the run directory, its files, the warm-up, then the tmux session."""
-    run_dir = runs.make_run_dir(req.workdir, plan.run_id)
+    run_dir = rundirs.make_run_dir(req.workdir, plan.run_id)
     if plan.config is not None:
         warmups.make_cache_dir(plan.config)
         if src is not None:
             _seed_resumed(src, plan.run_id, run_dir, emit)
-        runs.write_json(run_dir / "config.json", plan.config)
+        atomic.write_json(run_dir / "config.json", plan.config)
     env = run_environment(dict(os.environ), plan.extra, req.kind, plan.gpus)
-    runs.write_bytes(run_dir / SCRIPT_NAME, assets.read_bytes(SCRIPT_NAME), 0o755)
+    atomic.write_bytes(run_dir / SCRIPT_NAME, assets.read_bytes(SCRIPT_NAME), 0o755)
     # The environment travels in a file only the owner reads: values never reach a command line. Secrets go
     # to a file of their own that start_training.sh deletes once read (runcommand.SECRET_FILE).
     secret = set(req.secret_env or ()) & set(req.env or {})
-    runs.write_bytes(run_dir / ENV_FILE, _env_blob({k: v for k, v in env.items() if k not in secret}), 0o600)
+    atomic.write_bytes(run_dir / ENV_FILE, _env_blob({k: v for k, v in env.items() if k not in secret}), 0o600)
     if secret:
-        runs.write_bytes(run_dir / SECRET_FILE, _env_blob({k: env[k] for k in sorted(secret)}), 0o600)
+        atomic.write_bytes(run_dir / SECRET_FILE, _env_blob({k: env[k] for k in sorted(secret)}), 0o600)
     try:
         _start_session(plan, req, src, fingerprint, seen, env, run_dir, emit)
     except BaseException:
@@ -175,7 +175,7 @@ def _start_session(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSourc
                    seen: list[dict], env: dict[str, str], run_dir: Path, emit) -> None:
     """run.json, the start of the log, the warm-up, then the tmux session that runs start_training.sh."""
     mark = ownlines.new_mark()
-    runs.write_json(run_dir / "run.json", _run_info(plan, req, src, fingerprint, seen, mark))
+    atomic.write_json(run_dir / "run.json", _run_info(plan, req, src, fingerprint, seen, mark))
     _start_log(run_dir, mark, plan.argv)
     emit.progress("rundir", f"wrote {run_dir}", run_dir=str(run_dir))
     if plan.config is not None:
@@ -195,7 +195,7 @@ def _run_info(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | N
         "target": req.target,
         "kind": req.kind,
         "session": plan.session,
-        "created": req.created or runs.utc_now(),
+        "created": req.created or rundirs.utc_now(),
         "bundle_hash": plan.bundle_hash,
         "env_fingerprint": fingerprint,
         "command": plan.argv,
@@ -217,12 +217,12 @@ def _run_info(plan: LaunchPlan, req: LaunchRequest, src: resume.ResumeSource | N
 
 def _seed_resumed(src: resume.ResumeSource, run_id: str, run_dir: Path, emit) -> None:
     """Fill a resumed dflash run's directory from the old run; a failure ends the new run (exit.json)."""
-    started = runs.utc_now()
+    started = rundirs.utc_now()
     try:
         seeded = resume.seed(src, run_dir)
     except OSError as exc:  # disk full, permissions: the new run ends here, and says so
-        runs.write_json(run_dir / "exit.json", {"exit_code": 1, "signal": None, "started": started,
-                                                "ended": runs.utc_now(), "phase": "resume"})
+        atomic.write_json(run_dir / "exit.json", {"exit_code": 1, "signal": None, "started": started,
+                                                  "ended": rundirs.utc_now(), "phase": "resume"})
         raise AgentFailure("ResumeFailed", f"could not seed {run_dir} from run {src.run_id}: {exc}",
                            fix=f"free space or fix permissions under {run_dir.parent}, then launch again",
                            data={"run_id": run_id, "resumed_from": src.run_id}) from None
@@ -251,7 +251,7 @@ def warm_up(run_dir: Path, targets: list[int | None], skipped: str | None, confi
         if exc.type == "WarmupFailed":
             _warmup_exit(run_dir, int(exc.data.get("exit_code", 1)), exc.data.get("started"))
         raise
-    runs.write_bytes(run_dir / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
+    atomic.write_bytes(run_dir / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
     return done
 
 
@@ -265,8 +265,8 @@ def _warmup_exit(run_dir: Path, rc: int, started: str | None) -> None:
         except ValueError:
             sig = None
         rc = 128 - rc
-    runs.write_json(run_dir / "exit.json", {"exit_code": rc, "signal": sig, "started": started,
-                                            "ended": runs.utc_now(), "phase": "warmup"})
+    atomic.write_json(run_dir / "exit.json", {"exit_code": rc, "signal": sig, "started": started,
+                                              "ended": rundirs.utc_now(), "phase": "warmup"})
 
 
 def _env_blob(env: dict[str, str]) -> bytes:
@@ -277,7 +277,7 @@ def _start_log(run_dir: Path, mark: str, argv: list[str]) -> None:
     """Give the run its mark (log.mark, read by start_training.sh) and begin train.log with the command line,
     quoted on ONE line: an argument holding a newline cannot start a line of its own there, so it cannot
     pass for the command's output (orchestrator/ownlines.py)."""
-    runs.write_bytes(run_dir / ownlines.MARK_FILE, (mark + "\n").encode("ascii"))
+    atomic.write_bytes(run_dir / ownlines.MARK_FILE, (mark + "\n").encode("ascii"))
     header = ownlines.line(mark, f"run {run_dir.name} command: {render_line(argv)}")
     fd = os.open(run_dir / "train.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 from orchestrator.agent.requests import MetricsAnswer, MetricsRequest
-from orchestrator.agent.runs import parse_records, resolve_run
+from orchestrator.agent.rundirs import parse_records, resolve_run
 
 
 def read_rows(path) -> tuple[list[dict], int]:

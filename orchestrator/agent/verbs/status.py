@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 
-from orchestrator.agent import runs, tmuxctl
+from orchestrator.agent import liveness, tmuxctl
 from orchestrator.agent.gpu import query_gpus
 from orchestrator.agent.requests import StatusAnswer, StatusRequest
 
@@ -19,7 +19,7 @@ def run(request: dict, emit) -> dict:
     workdir = req.workdir
     gpus, reason = query_gpus(timeout=req.gpu_timeout)
     sessions = tmuxctl.list_sessions()
-    all_runs = runs.list_runs(workdir, sessions)
+    all_runs = liveness.list_runs(workdir, sessions)
     limit = req.limit
     return StatusAnswer(
         hostname=socket.gethostname(),

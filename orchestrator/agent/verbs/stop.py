@@ -9,7 +9,7 @@ without exit.json (its container was stopped) gets exit.json failed with that ca
 
 from __future__ import annotations
 
-from orchestrator.agent import gpu, runs
+from orchestrator.agent import atomic, gpu, liveness, rundirs
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import StopAnswer, StopRequest
 from orchestrator.agent.stopping import stop_run
@@ -19,13 +19,13 @@ def record_lost(workdir: str, run_id: str, cause: dict) -> dict:
     """A node of a run across targets that vanished (its container was stopped: nothing in it could write
     exit.json) gets the run's outcome now: exit.json failed, with the root cause another node's launcher
     found (which names this node's lost rank). Returns the fields of the stop result that change."""
-    run_dir = runs.runs_root(workdir) / run_id
-    info = runs.read_json(run_dir / "run.json") or {}
-    runs.write_json(run_dir / "exit.json", {"exit_code": 1, "signal": None, "started": info.get("created"),
-                                            "ended": runs.utc_now(), "stopped": None, "root_cause": cause,
-                                            "lost": True})
-    exit_info = runs.read_exit(runs.load_ref(run_dir))
-    return {"exit": exit_info, "state": runs.state_of(exit_info, False, None)}
+    run_dir = rundirs.runs_root(workdir) / run_id
+    info = rundirs.read_json(run_dir / "run.json") or {}
+    atomic.write_json(run_dir / "exit.json", {"exit_code": 1, "signal": None, "started": info.get("created"),
+                                              "ended": rundirs.utc_now(), "stopped": None, "root_cause": cause,
+                                              "lost": True})
+    exit_info = rundirs.read_exit(rundirs.load_ref(run_dir))
+    return {"exit": exit_info, "state": liveness.state_of(exit_info, False, None)}
 
 
 def run(request: dict, emit) -> dict:

@@ -18,7 +18,7 @@ Events:
   {"event": "metrics", "offset": start, "next": end, "records": [...], "invalid": n}
   {"event": "heartbeat", "session_alive": bool|null, "log_size": n, "metrics_size": n}
   {"event": "truncated", "file": "train.log"}    the file shrank; streaming restarts at 0
-Result: {"run_id", "state" (runs.state_of: running | stopped | succeeded | failed | crashed),
+Result: {"run_id", "state" (liveness.state_of: running | stopped | succeeded | failed | crashed),
          "exit": exit.json|null, "offsets": {"log": n, "metrics": n},
          "session_alive": bool|null}
 """
@@ -32,7 +32,8 @@ from orchestrator.agent.events import Data, Heartbeat, Metrics, RunInfo, Truncat
 from orchestrator.agent.protocol import AgentFailure
 from orchestrator.agent.requests import TailAnswer, TailRequest
 from orchestrator.ownlines import RUN_JSON_KEY, valid_mark
-from orchestrator.agent.runs import parse_records, read_exit, resolve_run, run_alive, state_of, stopped_by
+from orchestrator.agent.liveness import run_alive, state_of, stopped_by
+from orchestrator.agent.rundirs import parse_records, read_exit, resolve_run
 from orchestrator.agent.tailer import DirWatcher, LineCursor, disk_full, last_good_baseline, tail_offset
 
 # How long to sleep at most with inotify on: changes wake us at once; this only bounds how late a change

@@ -19,7 +19,7 @@ import os
 import socket
 from pathlib import Path
 
-from orchestrator.agent import claims, gpu, runs
+from orchestrator.agent import atomic, claims, gpu, launchlock, rundirs
 from orchestrator.agent import warmup as warmups
 from orchestrator.agent.requests import WarmupAnswer, WarmupRequest
 
@@ -29,7 +29,7 @@ _DROP_ENV = ("TMUX", "TMUX_PANE", "CUDA_VISIBLE_DEVICES")
 def run(request: dict, emit) -> dict:
     req = WarmupRequest.from_json(request)
     workdir = req.workdir
-    experiment = runs.check_name("experiment", req.experiment)
+    experiment = rundirs.check_name("experiment", req.experiment)
     config = req.config
     layout = req.layout or config.get("layout") or {}
     drafters = [int(g) for g in layout.get("drafter_gpus") or []]
@@ -37,9 +37,9 @@ def run(request: dict, emit) -> dict:
 
     # The experiment's launch lock (no other warm-up or launch of it writes the same cache entries) and a
     # claim of its drafter GPUs (no launch hands them to a run while this compiles on them).
-    lock = runs.LaunchLock(workdir, experiment)
+    lock = launchlock.LaunchLock(workdir, experiment)
     lock.acquire({"pid": os.getpid(), "host": socket.gethostname(), "run_id": f"warmup of {experiment}",
-                  "experiment": experiment, "since": runs.utc_now()})
+                  "experiment": experiment, "since": rundirs.utc_now()})
     emit.progress("lock", f"holding {lock.path}")
     token = None
     try:
@@ -53,14 +53,14 @@ def run(request: dict, emit) -> dict:
         out = Path(workdir) / "warmup" / experiment
         out.mkdir(parents=True, exist_ok=True)
         config = warmups.resolve_compile({**config, "output_dir": str(out)}, workdir)
-        runs.write_json(out / "config.json", config)
+        atomic.write_json(out / "config.json", config)
         log_path = out / "warmup.log"
         log_path.write_bytes(b"")  # this warm-up's log only: the previous one is of no use after it
         cache = config["compile"]["cache_dir"]
         base = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
         done = warmups.run_warmups(out / "config.json", targets, base, emit, log_path,
                                    device=req.device or "cuda", cwd=out, cache_dir=cache)
-        runs.write_bytes(out / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
+        atomic.write_bytes(out / "warmup.json", (json.dumps(done, indent=2) + "\n").encode())
         return WarmupAnswer(experiment=experiment, dir=str(out), config=str(out / "config.json"), cache_dir=cache,
                             warmups=done).to_json()
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.agent.protocol import Emitter
-from orchestrator.agent.runs import resolve_run
+from orchestrator.agent.rundirs import resolve_run
 from orchestrator.agent.tailer import last_good_baseline
 from orchestrator.agent.verbs import stop as stop_verb
 from orchestrator.agent.verbs import tail as tail_verb

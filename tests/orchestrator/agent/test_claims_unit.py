@@ -1,4 +1,4 @@
-"""GPU claims and the per-experiment launch lock as units (orchestrator.agent.claims, runs.LaunchLock): real
+"""GPU claims and the per-experiment launch lock as units (orchestrator.agent.claims, launchlock.LaunchLock): real
 files, real flock, real processes for liveness; no launch. Fast, so the mutation run (tests/mutation/run.py)
 can use them; the races through real launches are in ops/test_launch_claims.py."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.agent import claims
-from orchestrator.agent import runs as agent_runs
+from orchestrator.agent import launchlock, liveness, rundirs
 from orchestrator.agent.protocol import AgentFailure
 
 
@@ -149,12 +149,12 @@ def test_a_claim_within_the_pid_start_tolerance_is_alive(tmp_path):
 
 
 def test_the_launch_lock_is_one_holder_at_a_time_and_names_it(tmp_path):
-    first = agent_runs.LaunchLock(tmp_path, "exp")
+    first = launchlock.LaunchLock(tmp_path, "exp")
     holder = {"pid": 4242, "run_id": "exp-20260101T000000Z", "since": "2026-01-01T00:00:00Z"}
     first.acquire(holder)
     lock_file = tmp_path / "locks" / "exp.lock"
     assert json.loads(lock_file.read_text()) == holder
-    second = agent_runs.LaunchLock(tmp_path, "exp")
+    second = launchlock.LaunchLock(tmp_path, "exp")
     with pytest.raises(AgentFailure) as info:
         second.acquire({"pid": 1})
     assert info.value.type == "LockHeld"
@@ -162,7 +162,7 @@ def test_the_launch_lock_is_one_holder_at_a_time_and_names_it(tmp_path):
                                   "exp-20260101T000000Z since 2026-01-01T00:00:00Z")
     assert info.value.fix == "wait for it to finish, then check `dflashctl status`"
     assert info.value.data == {"holder": holder, "lock": str(lock_file)}
-    other = agent_runs.LaunchLock(tmp_path, "other")  # another experiment: its own lock
+    other = launchlock.LaunchLock(tmp_path, "other")  # another experiment: its own lock
     other.acquire({"pid": 2})
     other.release()
     first.release()
@@ -174,10 +174,10 @@ def test_the_launch_lock_is_one_holder_at_a_time_and_names_it(tmp_path):
 
 
 def test_the_lock_is_held_by_the_process_until_release_even_across_processes(tmp_path):
-    lock = agent_runs.LaunchLock(tmp_path, "exp")
+    lock = launchlock.LaunchLock(tmp_path, "exp")
     lock.acquire({"pid": os.getpid(), "run_id": "r", "since": "s"})
-    probe = ("import sys; from orchestrator.agent import runs\n"
-             "try:\n    runs.LaunchLock(sys.argv[1], 'exp').acquire({'pid': 1})\n"
+    probe = ("import sys; from orchestrator.agent import launchlock\n"
+             "try:\n    launchlock.LaunchLock(sys.argv[1], 'exp').acquire({'pid': 1})\n"
              "except Exception as e:\n    print(type(e).__name__, e.type)\nelse:\n    print('acquired')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, env=env)
@@ -196,13 +196,13 @@ def test_a_holder_that_never_wrote_its_name_is_described(tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         with pytest.raises(AgentFailure) as info:
-            agent_runs.LaunchLock(tmp_path, "exp").acquire({"pid": 1})
+            launchlock.LaunchLock(tmp_path, "exp").acquire({"pid": 1})
         assert info.value.message == (f"another launch of experiment exp holds {lock_file}: a launch that has not "
                                       "written its name yet")
     finally:
         os.close(fd)
     with pytest.raises(AgentFailure, match="bad experiment name"):
-        agent_runs.LaunchLock(tmp_path, "../x")
+        launchlock.LaunchLock(tmp_path, "../x")
 
 
 # ------------------------------------------------------------------------- edges the mutation run found
@@ -251,7 +251,7 @@ def test_a_run_id_longer_than_a_name_and_a_path_outside_runs(tmp_path):
 
 
 def test_the_pid_start_tolerance_is_two_seconds_inclusive(tmp_path, monkeypatch):
-    monkeypatch.setattr(agent_runs, "process_start", lambda pid: 1000.0)
+    monkeypatch.setattr(liveness, "process_start", lambda pid: 1000.0)
     me = os.getpid()
     assert claims.claim_alive(tmp_path, {"phase": "launch", "pid": me, "pid_start": 1002.0})
     assert claims.claim_alive(tmp_path, {"phase": "launch", "pid": me, "pid_start": 998.0})
@@ -270,7 +270,7 @@ def test_promote_restamps_since(tmp_path):
 
 def test_the_first_lock_makes_its_directories_and_a_0644_file_and_an_unused_lock_releases_nothing(tmp_path):
     workdir = tmp_path / "not" / "yet"
-    lock = agent_runs.LaunchLock(workdir, "exp")
+    lock = launchlock.LaunchLock(workdir, "exp")
     lock.release()  # never acquired: nothing to release, no error
     old = os.umask(0o022)
     try:
@@ -288,7 +288,7 @@ def marked_sleeper(run_dir: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
                             env={**os.environ, "DFLASHCTL_RUN_DIR": str(run_dir)})
     for _ in range(100):  # the marker is readable once the exec is done
-        if agent_runs.live_processes(agent_runs.load_ref(run_dir)):
+        if liveness.live_processes(rundirs.load_ref(run_dir)):
             break
         import time
 
@@ -323,8 +323,8 @@ def test_a_run_whose_liveness_is_unknown_keeps_its_gpus(tmp_path, monkeypatch):
     (tmp_path / "runs" / "a-1" / "pid").unlink()
     claims.promote(tmp_path, token, "a-1")
     monkeypatch.setenv("PATH", str(tmp_path / "no-tmux-here"))
-    ref = agent_runs.load_ref(tmp_path / "runs" / "a-1")
-    assert agent_runs.run_alive(ref) is None  # unknown, not gone
+    ref = rundirs.load_ref(tmp_path / "runs" / "a-1")
+    assert liveness.run_alive(ref) is None  # unknown, not gone
     assert sorted(claims.held(tmp_path, [3])) == [3]
     with pytest.raises(AgentFailure) as info:
         claims.claim(tmp_path, [3], {"run_id": "b-1", "experiment": "b"}, Emit(), wait_s=0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.agent.protocol import AgentFailure, Emitter
-from orchestrator.agent.runs import resolve_run
+from orchestrator.agent.rundirs import resolve_run
 from orchestrator.agent.tailer import DirWatcher, LineCursor, MAX_LINE, tail_offset
 from orchestrator.agent.verbs import tail as tail_verb
 
@@ -278,7 +278,7 @@ def test_pid_file_tells_liveness_without_a_session(tmp_path, monkeypatch):
     proc = subprocess.Popen(["sleep", "30"])
     try:
         (run / "pid").write_text(str(proc.pid))
-        monkeypatch.setattr("orchestrator.agent.runs.session_alive", lambda ref, sessions=None: None)
+        monkeypatch.setattr("orchestrator.agent.liveness.session_alive", lambda ref, sessions=None: None)
         ev = Events()
         assert tail_verb.run({"workdir": str(tmp_path), "run_id": "r1"}, ev.emit)["state"] == "running"
         proc.kill()

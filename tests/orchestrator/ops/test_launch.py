@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import assets
-from orchestrator.agent import runs as agent_runs
+from orchestrator.agent import launchlock
 from orchestrator.agent.requests import LaunchRequest
 from orchestrator.agent.runcommand import build_command, run_environment
 from orchestrator.errors import PreflightError, UserError
@@ -162,7 +162,7 @@ def test_double_launch_is_refused_with_the_run_id_and_the_replace_hint(tmp_path,
 
 def test_a_held_lock_names_its_holder(tmp_path, local_target):
     t = local_target
-    lock = agent_runs.LaunchLock(t.workdir, "lk")
+    lock = launchlock.LaunchLock(t.workdir, "lk")
     lock.acquire({"pid": 4242, "run_id": "lk-20260101T000000Z", "since": "2026-01-01T00:00:00Z"})
     try:
         with pytest.raises(PreflightError) as info:

@@ -109,7 +109,7 @@ def test_cli_metrics_prints_the_balance_and_vllms_verdict_under_the_charts_and_i
 
 
 def test_parse_records_counts_what_is_not_a_record():
-    from orchestrator.agent.runs import parse_records
+    from orchestrator.agent.rundirs import parse_records
 
     records, invalid = parse_records([b'{"step": 1}\n', b"\n", b"[1, 2]\n", b'{"step": \n', '{"step": 2}'])
     assert records == [{"step": 1}, {"step": 2}] and invalid == 2

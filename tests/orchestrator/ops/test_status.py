@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agent import runs as agent_runs
+from orchestrator.agent import liveness, rundirs
 from orchestrator.ops.launch import LaunchSpec, launch
 from orchestrator.ops.status import status
 from orchestrator.target import ContainerTarget
@@ -36,20 +36,20 @@ def spec(experiment: str, argv: list[str], **kw) -> LaunchSpec:
 
 
 def test_state_of_covers_every_case():
-    assert agent_runs.state_of({"exit_code": 0}, None) == "succeeded"
-    assert agent_runs.state_of({"exit_code": 2}, True) == "failed"
-    assert agent_runs.state_of({"exit_code": 0}, False) == "succeeded"
-    assert agent_runs.state_of(None, True) == "running"
-    assert agent_runs.state_of(None, False) == "crashed"
-    assert agent_runs.state_of(None, None) == "running"  # nothing could tell: never declared a crash
+    assert liveness.state_of({"exit_code": 0}, None) == "succeeded"
+    assert liveness.state_of({"exit_code": 2}, True) == "failed"
+    assert liveness.state_of({"exit_code": 0}, False) == "succeeded"
+    assert liveness.state_of(None, True) == "running"
+    assert liveness.state_of(None, False) == "crashed"
+    assert liveness.state_of(None, None) == "running"  # nothing could tell: never declared a crash
 
 
 def test_run_alive_from_its_own_session_or_its_pid_file(tmp_path):
     run = tmp_path / "runs" / "exp-1"
     run.mkdir(parents=True)
     (run / "run.json").write_text('{"experiment": "exp", "created": "2026-01-01T00:00:00Z"}')
-    ref = agent_runs.load_ref(run)
-    alive = agent_runs.run_alive
+    ref = rundirs.load_ref(run)
+    alive = liveness.run_alive
     assert alive(ref, [{"name": "dflash-exp", "run_id": "exp-1", "dead": False}]) is True
     assert alive(ref, [{"name": "dflash-exp", "run_id": "exp-1", "dead": True}]) is False
     assert alive(ref, [{"name": "dflash-exp", "run_id": "exp-2", "dead": False}]) is False  # a later run's

@@ -131,13 +131,13 @@ def test_replace_records_the_old_run_as_stopped_by_the_launch(tmp_path, dflashct
 
 
 def test_a_failure_and_a_crash_stay_what_they_are(tmp_path, dflashctl):
-    from orchestrator.agent import runs as agent_runs
+    from orchestrator.agent import liveness
 
-    assert agent_runs.state_of({"exit_code": 130, "signal": "SIGINT", "stopped": None}, False) == "failed"
-    assert agent_runs.state_of({"exit_code": 0, "stopped": {"by": ME}}, None, {"by": ME}) == "stopped"
-    assert agent_runs.state_of(None, False) == "crashed"
-    assert agent_runs.state_of(None, False, {"by": ME}) == "stopped"  # stopped, the wrapper gone with it
-    assert agent_runs.state_of(None, True, {"by": ME}) == "running"  # a stop under way
+    assert liveness.state_of({"exit_code": 130, "signal": "SIGINT", "stopped": None}, False) == "failed"
+    assert liveness.state_of({"exit_code": 0, "stopped": {"by": ME}}, None, {"by": ME}) == "stopped"
+    assert liveness.state_of(None, False) == "crashed"
+    assert liveness.state_of(None, False, {"by": ME}) == "stopped"  # stopped, the wrapper gone with it
+    assert liveness.state_of(None, True, {"by": ME}) == "running"  # a stop under way
 
 
 def _wrapper_run(tmp_path: Path, stop_json: str | None) -> dict:
