@@ -7,6 +7,7 @@ Fast on purpose: tests/mutation/run.py's "follow (reconnect policy)" row runs th
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -171,28 +172,24 @@ class Silenced:
         pass
 
 
-@pytest.mark.usefixtures("isolated_tmux")
-def test_a_silent_connection_is_cut_after_the_heartbeat_timeout_and_followed_again(local_target, tmp_path):
-    """The agent goes silent mid-follow: after heartbeat_timeout without an event the exec is cut, the status
-    says why, the follow reconnects from the byte after the last line shown and sees the run to its end."""
+def follow_silenced(local_target, tmp_path, **kw):
+    """Follow a live run (lines every 20 ms until the test's stop file exists) whose first exec goes silent
+    after its first line; the run ends once the follow has reported the cut. Returns what the follow saw."""
     stop = tmp_path / "stop"
     res = launch(local_target, LaunchSpec(experiment="silent", kind="command", target="local",
                                           command=[sys.executable, "-c", WRITER, str(stop)],
                                           venv_profile={"kind": "workstation"}))
     target = Silenced(local_target)
-    lines: list[str] = []
-    offsets: list[int] = []
-    statuses: list[str] = []
+    seen: dict = {"lines": [], "offsets": [], "statuses": []}
 
     def on_status(text: str) -> None:
-        statuses.append(text)
+        seen["statuses"].append(text)
         stop.touch()  # the run may end now: the cut has been seen
 
-    t0 = time.monotonic()
     try:
-        out = follow(target, res.run_id, on_line=lines.append, on_offset=offsets.append, on_status=on_status,
-                     heartbeat=0.2, heartbeat_timeout=1.0,
-                     backoff=Backoff(initial=0.1, factor=2.0, cap=0.4, jitter=0.0, give_up_s=20))
+        seen["out"] = follow(target, res.run_id, on_line=seen["lines"].append, on_offset=seen["offsets"].append,
+                             on_status=on_status, backoff=Backoff(initial=0.1, factor=2.0, cap=0.4, jitter=0.0,
+                                                                  give_up_s=30), **kw)
     finally:
         stop.touch()
         for pid in target.stopped:
@@ -200,11 +197,88 @@ def test_a_silent_connection_is_cut_after_the_heartbeat_timeout_and_followed_aga
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert target.stopped and time.monotonic() - t0 < 30
-    assert statuses == ["connection lost (no heartbeat for 1 s); reconnecting in 0.1 s"]
+    assert target.stopped
+    seen["log"] = Path(res.run_dir) / "train.log"
+    return seen
+
+
+@pytest.mark.usefixtures("isolated_tmux")
+def test_a_silent_connection_is_cut_after_the_heartbeat_timeout_and_followed_again(local_target, tmp_path):
+    """The agent goes silent mid-follow: after heartbeat_timeout without an event the exec is cut, the status
+    says why, the follow reconnects from the byte after the last line shown and sees the run to its end."""
+    t0 = time.monotonic()
+    seen = follow_silenced(local_target, tmp_path, heartbeat=0.2, heartbeat_timeout=1.0)
+    out, lines, offsets, log = seen["out"], seen["lines"], seen["offsets"], seen["log"]
+    assert 1.0 <= time.monotonic() - t0 < 30
+    assert seen["statuses"] == ["connection lost (no heartbeat for 1 s); reconnecting in 0.1 s"]
     assert (out.state, out.exit_code, out.reconnects) == ("succeeded", 0, 1)
-    log = Path(res.run_dir) / "train.log"
     numbered = [x for x in lines if x.startswith("line ")]
     assert numbered == [f"line {i:06d}" for i in range(len(numbered))] and len(numbered) > 1
     assert numbered == [x for x in log.read_text().splitlines() if x.startswith("line ")]
     assert offsets == sorted(offsets) and offsets[-1] == log.stat().st_size == out.offsets["log"]
+
+
+@pytest.mark.usefixtures("isolated_tmux")
+def test_the_default_heartbeat_timeout_is_five_heartbeats_and_ten_seconds(local_target, tmp_path):
+    """Without heartbeat_timeout a silent connection is cut after 5 heartbeats + 10 s (here 10.5 s)."""
+    t0 = time.monotonic()
+    seen = follow_silenced(local_target, tmp_path, heartbeat=0.1)
+    assert time.monotonic() - t0 >= 10.5
+    assert seen["statuses"] == ["connection lost (no heartbeat for 10 s); reconnecting in 0.1 s"]
+    assert (seen["out"].state, seen["out"].reconnects) == ("succeeded", 1)
+
+
+class Recording:
+    """A real target that also keeps every request the follow sends its agent."""
+
+    def __init__(self, target):
+        self.target, self.requests = target, []
+
+    def agent(self, verb, request=None, **kw):
+        self.requests.append(dict(request or {}))
+        return self.target.agent(verb, request, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+def ended_run(workdir: Path, run_id: str, experiment: str, created: str, tps: list[float], lines: list[str]) -> Path:
+    """A run that ended with exit 0: run.json, exit.json, its metrics and its log."""
+    run = workdir / "runs" / run_id
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"experiment": experiment, "run_id": run_id, "created": created}))
+    (run / "exit.json").write_text(json.dumps({"exit_code": 0}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "tokens_per_s": v}) + "\n"
+                                               for i, v in enumerate(tps)))
+    (run / "train.log").write_text("".join(line + "\n" for line in lines))
+    return run
+
+
+@pytest.mark.usefixtures("isolated_tmux")
+def test_a_follow_asks_for_heartbeats_metrics_and_the_last_good_runs_baseline_by_default(local_target):
+    wd = Path(local_target.workdir)
+    ended_run(wd, "exp-1", "exp", "2026-01-01T00:00:00Z", [10.0] * 8, ["one"])
+    ended_run(wd, "exp-2", "exp", "2026-01-02T00:00:00Z", [9.0] * 8, ["two"])
+    target = Recording(local_target)
+    out = follow(target, "exp-2")
+    assert (out.state, out.run_id, out.reconnects) == ("succeeded", "exp-2", 0)
+    assert out.baseline == {"run_id": "exp-1", "tokens_per_s": 10.0, "samples": 5}
+    [request] = target.requests
+    assert (request["run_id"], request["follow"], request["metrics"], request["heartbeat"], request["baseline"]) \
+        == ("exp-2", True, True, 2.0, True)
+
+
+@pytest.mark.usefixtures("isolated_tmux")
+def test_a_show_by_experiment_or_from_a_byte_offset(local_target):
+    wd = Path(local_target.workdir)
+    ended_run(wd, "a-1", "a", "2026-01-01T00:00:00Z", [], ["a first", "a second"])
+    ended_run(wd, "b-1", "b", "2026-01-02T00:00:00Z", [], ["b first", "b second", "b third"])
+    lines: list[str] = []
+    out = follow(local_target, None, experiment="a", follow=False, on_line=lines.append)
+    assert (out.run_id, out.experiment, out.state) == ("a-1", "a", "succeeded")
+    assert [x for x in lines if not x.startswith("[dflashctl]")] == ["a first", "a second"]
+    lines.clear()
+    out = follow(local_target, "b-1", offset=len("b first\n"), follow=False, on_line=lines.append)
+    assert [x for x in lines if not x.startswith("[dflashctl]")] == ["b second", "b third"]
+    assert out.offsets["log"] == (wd / "runs" / "b-1" / "train.log").stat().st_size
+    assert follow(local_target, None, follow=False).run_id == "b-1"  # the newest of all
