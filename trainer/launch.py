@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from trainer.atomic import write_json
 from trainer.config import ConfigError, TrainConfig, load_config, parse_endpoint
 from trainer.distributed import NODE_ENV
 from trainer.layout import Layout
@@ -343,10 +344,7 @@ def resolve_config(config: str | None, resume: str | None, node: int = 0) -> tup
         # Ranks read the file: write the resolved config (new output_dir) into the run directory.
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / "config.launch.json"
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
-        os.replace(tmp, path)
+        path = write_json(out / "config.launch.json", cfg.model_dump(mode="json"))
     return cfg, path
 
 

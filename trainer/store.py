@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from trainer.atomic import write_json
 from trainer.data import DataError, Sample, SkipReport, parse_line, tokenize
 
 FORMAT = 1
@@ -626,12 +627,10 @@ def read_file_blocks(path: Path, size: int, block: int = _IO_BLOCK) -> Iterator[
 
 # -- a run's pointer ---------------------------------------------------------------------------------------
 def write_pointer(run_dir: str | Path, store: TokenStore) -> None:
-    """Record in <run>/data/store.json which store the run trains on (temp file + rename)."""
+    """Record in <run>/data/store.json which store the run trains on (whole or not at all: trainer.atomic)."""
     p = Path(run_dir) / POINTER
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"path": str(store.path.absolute()), "key": store.key}, indent=1))
-    os.replace(tmp, p)
+    write_json(p, {"path": str(store.path.absolute()), "key": store.key}, indent=1)
 
 
 def read_pointer(run_dir: str | Path) -> dict[str, str] | None:
