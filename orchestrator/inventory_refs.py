@@ -34,7 +34,10 @@ def _workdir_ok(workdir: str) -> bool:
 
 def check_references(inv: Inventory) -> list[Problem]:
     """Names safe, references resolvable, container workdirs absolute, GPU lists disjoint: every problem, in
-    the order of the file's sections."""
+    the order of the file's sections.
+
+    Linear in the inventory, and cheap per entry (a 10 MB inventory has ~80,000 of them: bench/inventory_load.py):
+    a reference is one dict lookup, the rest of `ref` runs only when it fails."""
     errs: list[Problem] = []
 
     def err(path: tuple[str, ...], msg: str) -> None:
@@ -56,52 +59,82 @@ def check_references(inv: Inventory) -> list[Problem]:
             if getattr(h, key) is not None and not names.is_ssh_word(getattr(h, key)):
                 err(("hosts", name, key), f"{getattr(h, key)!r} cannot be given to ssh: no leading '-', no spaces")
 
+    _check_targets(inv, err, ref)
+    _check_experiments(inv, err, ref)
+    return errs
+
+
+def _check_targets(inv: Inventory, err, ref) -> None:
+    venvs, hosts = inv.venvs, inv.hosts
     for name, t in inv.targets.items():
-        ref(("targets", name, "venv"), "venv profile", t.venv, inv.venvs)
+        if t.venv not in venvs:
+            ref(("targets", name, "venv"), "venv profile", t.venv, venvs)
         if isinstance(t, ContainerTargetSpec):
-            ref(("targets", name, "host"), "host", t.host, inv.hosts)
+            if t.host not in hosts:
+                ref(("targets", name, "host"), "host", t.host, hosts)
             if not _workdir_ok(t.workdir):
                 err(("targets", name, "workdir"), f"must be an absolute path without '..' (got {t.workdir!r})")
-        if isinstance(t, ContainerTargetSpec) and isinstance(inv.venvs.get(t.venv), WorkstationVenv):
-            err(("targets", name, "venv"), f"venv profile {t.venv!r} is the workstation's own interpreter, which a "
-                "container cannot run; use a `kind: system` profile (the container's python3) or a `kind: uv` one")
+            if isinstance(venvs.get(t.venv), WorkstationVenv):
+                err(("targets", name, "venv"), f"venv profile {t.venv!r} is the workstation's own interpreter, which "
+                    "a container cannot run; use a `kind: system` profile (the container's python3) or a `kind: uv` one")
 
+
+def _on_container(inv: Inventory, target: str, venv: str) -> bool:
+    """The workstation's interpreter named for an experiment on a container (which cannot run it)."""
+    return isinstance(inv.targets.get(target), ContainerTargetSpec) and isinstance(inv.venvs.get(venv), WorkstationVenv)
+
+
+def _check_experiments(inv: Inventory, err, ref) -> None:
+    targets, venvs = inv.targets, inv.venvs
+    env_ok: set[str] = set()  # environment names already checked (experiments share a few)
     for name, e in inv.experiments.items():
-        ref(("experiments", name, "target"), "target", e.target, inv.targets)
+        if e.target not in targets:
+            ref(("experiments", name, "target"), "target", e.target, targets)
         if e.venv is not None:
-            ref(("experiments", name, "venv"), "venv profile", e.venv, inv.venvs)
-            if isinstance(inv.targets.get(e.target), ContainerTargetSpec) and isinstance(inv.venvs.get(e.venv), WorkstationVenv):
+            ref(("experiments", name, "venv"), "venv profile", e.venv, venvs)
+            if _on_container(inv, e.target, e.venv):
                 err(("experiments", name, "venv"), f"venv profile {e.venv!r} is the workstation's own interpreter, "
                     "which a container cannot run; use a `kind: system` profile (the container's python3)")
-        if isinstance(e, DflashExperiment) and e.data_venv is not None:
-            ref(("experiments", name, "data_venv"), "venv profile", e.data_venv, inv.venvs)
-            if isinstance(inv.targets.get(e.target), ContainerTargetSpec) and isinstance(inv.venvs.get(e.data_venv), WorkstationVenv):
-                err(("experiments", name, "data_venv"), f"venv profile {e.data_venv!r} is the workstation's own "
-                    "interpreter, which a container cannot run; use a `kind: uv` profile (e.g. vllm)")
-        if isinstance(e, DflashExperiment) and e.layout.nodes:
-            _check_nodes(name, e, inv, err, ref)
-        elif isinstance(e, DflashExperiment):
-            lay = e.layout
-            for key, gpus in (("target_gpus", lay.target_gpus), ("drafter_gpus", lay.drafter_gpus)):
-                dup = sorted({g for g in gpus if gpus.count(g) > 1})
-                if dup:
-                    err(("experiments", name, "layout", key), f"GPU {dup} listed twice")
-            both = sorted(set(lay.target_gpus) & set(lay.drafter_gpus))
-            if both:
-                err(("experiments", name, "layout"), f"GPU {both} is in both target_gpus and drafter_gpus")
-            if bool(lay.target_gpus) != bool(lay.drafter_gpus):
-                err(
-                    ("experiments", name, "layout"),
-                    "give both target_gpus and drafter_gpus, or neither (colocated on the CPU)",
-                )
-        else:
-            dup = sorted({g for g in e.gpus if e.gpus.count(g) > 1})
-            if dup:
-                err(("experiments", name, "gpus"), f"GPU {dup} listed twice")
-            for key in e.env:
-                if not _ENV_NAME.fullmatch(key):
+        if isinstance(e, DflashExperiment):
+            _check_dflash(name, e, inv, err, ref)
+            continue
+        gpus = e.gpus
+        if len(set(gpus)) != len(gpus):
+            err(("experiments", name, "gpus"), f"GPU {_twice(gpus)} listed twice")
+        for key in e.env:
+            if key not in env_ok:
+                if _ENV_NAME.fullmatch(key):
+                    env_ok.add(key)
+                else:
                     err(("experiments", name, "env", key), "not a valid environment variable name")
-    return errs
+
+
+def _twice(gpus: list[int]) -> list[int]:
+    """The GPUs listed more than once, sorted."""
+    return sorted({g for g in gpus if gpus.count(g) > 1})
+
+
+def _check_dflash(name: str, e: DflashExperiment, inv: Inventory, err, ref) -> None:
+    if e.data_venv is not None:
+        ref(("experiments", name, "data_venv"), "venv profile", e.data_venv, inv.venvs)
+        if _on_container(inv, e.target, e.data_venv):
+            err(("experiments", name, "data_venv"), f"venv profile {e.data_venv!r} is the workstation's own "
+                "interpreter, which a container cannot run; use a `kind: uv` profile (e.g. vllm)")
+    if e.layout.nodes:
+        _check_nodes(name, e, inv, err, ref)
+        return
+    lay = e.layout
+    for key, gpus in (("target_gpus", lay.target_gpus), ("drafter_gpus", lay.drafter_gpus)):
+        if len(set(gpus)) != len(gpus):
+            err(("experiments", name, "layout", key), f"GPU {_twice(gpus)} listed twice")
+    both = sorted(set(lay.target_gpus) & set(lay.drafter_gpus))
+    if both:
+        err(("experiments", name, "layout"), f"GPU {both} is in both target_gpus and drafter_gpus")
+    if bool(lay.target_gpus) != bool(lay.drafter_gpus):
+        err(
+            ("experiments", name, "layout"),
+            "give both target_gpus and drafter_gpus, or neither (colocated on the CPU)",
+        )
 
 
 def _check_nodes(name: str, e, inv: Inventory, err, ref) -> None:
