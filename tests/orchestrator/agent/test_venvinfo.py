@@ -195,3 +195,34 @@ def test_verify_record_imports_torch_when_not_recorded_and_records_its_build(tmp
     again = venvinfo.verify(out=_Events(), record=record, jobs=1)
     assert "torch" in again["skipped"] and (again["torch"], again["cuda"], again["device_count"]) == (
         str(torch.__version__), torch.version.cuda, None)
+
+
+def test_verify_record_keeps_a_cuda_builds_torch_facts(tmp_path, monkeypatch):
+    """torch a CUDA build, as a GPU machine's venv holds it: its CUDA version reaches the result and the record,
+    and a later verify that skips torch reports it from there. This machine's torch is a CPU build (CUDA None, the
+    same None a lost value reads), so the workers find a module `torch` ahead of it on the verifier's path that
+    answers what a CUDA 12.9 build on a machine without a GPU answers (the distribution and its key stay the real
+    torch's)."""
+    from importlib import metadata
+
+    from orchestrator.agent import bundlescan, importcheck
+    from test_importcheck import _site_with
+
+    record, keys = _site_with(tmp_path, monkeypatch, {})
+    (tmp_path / "site" / "torch").mkdir()
+    (tmp_path / "site" / "torch" / "__init__.py").write_text(
+        "__version__ = '2.99.0+cu129'\n\nclass version:\n    cuda = '12.9'\n\n"
+        "class cuda:\n    @staticmethod\n    def device_count():\n        return 0\n")
+    verified = importcheck.load_record(record)
+    del verified[keys["torch"]]
+    importcheck.save_record(record, verified, {})
+    # torch's other top-level modules (functorch, ...) import the real torch's submodules: not imported here.
+    others = tuple(m for m in bundlescan.top_level_modules(metadata.distribution("torch")) if m != "torch")
+    res = venvinfo.verify(out=_Events(), skip=others, record=record, jobs=1)
+    assert res["failed"] == [] and (res["torch"], res["cuda"], res["device_count"]) == ("2.99.0+cu129", "12.9", 0)
+    entry = importcheck.load_record(record)[keys["torch"]]
+    assert {k: v for k, v in entry.items() if k != "at"} == {"dist": "torch", "version": metadata.version("torch"),
+                                                            "torch": "2.99.0+cu129", "cuda": "12.9"}
+    again = venvinfo.verify(out=_Events(), skip=others, record=record, jobs=1)
+    assert "torch" in again["skipped"] and (again["torch"], again["cuda"], again["device_count"]) == (
+        "2.99.0+cu129", "12.9", None)
