@@ -82,7 +82,7 @@ def build_command(req: LaunchRequest, gpus: list[int], run_dir: Path, config: di
         cache = (cfg.get("compile") or {}).get("cache_dir")
         if cache:
             extra["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-        if (cfg.get("evaluation") or {}).get("engine") == "vllm" and not req.data_only:
+        if judged_in_vllm(req, cfg):
             extra[VLLM_PYTHON_ENV] = vllm_python(req)
         return argv, extra
     if req.kind == "command":
@@ -95,6 +95,11 @@ def build_command(req: LaunchRequest, gpus: list[int], run_dir: Path, config: di
             extra[resume.RESUME_ENV] = str(resume_dir)
         return list(req.command), {**env, **extra}
     raise AgentFailure("BadRequest", f"launch request: unknown experiment kind {req.kind!r} (dflash or command)")
+
+
+def judged_in_vllm(req: LaunchRequest, config: dict) -> bool:
+    """Whether the run's export is judged in vLLM after training (evaluation.engine: vllm; not --data-only)."""
+    return req.kind == "dflash" and (config.get("evaluation") or {}).get("engine") == "vllm" and not req.data_only
 
 
 def vllm_python(req: LaunchRequest) -> str:

@@ -86,17 +86,21 @@ def has_data_stage(plan: LaunchPlan, req: LaunchRequest) -> bool:
 
 
 def check_data_venv(plan: LaunchPlan, req: LaunchRequest, emit) -> dict | None:
-    """A run with a data stage in a venv profile of its own (a uv profile: `<workdir>/data-venvs/<profile>`):
-    that venv must exist and match its lock, as the training venv must match its own.
+    """A run that uses its data venv (a uv profile of its own: `<workdir>/data-venvs/<profile>`), for a data stage
+    or to judge the export in vLLM after training: that venv must exist and match its lock, as the training venv
+    must match its own. One rule for both uses; the message names the use.
 
     Returns:
-        The data venv's fingerprint, or None when the stage runs in the training venv (or there is no stage).
+        The data venv's fingerprint, or None when the run does not use one (the stage runs in the training venv,
+        or there is no stage and no vLLM judgement).
     Raises:
         AgentFailure("VenvMismatch"): no data venv, or one built from another lock; the fix builds it.
     """
     profile = req.data_venv_profile or {}
-    if not has_data_stage(plan, req) or profile.get("kind") != "uv":
+    stage = has_data_stage(plan, req)
+    if not (stage or runcommand.judged_in_vllm(req, plan.config or {})) or profile.get("kind") != "uv":
         return None
+    use = "the data stage's venv" if stage else "the vLLM venv that judges the export"
     where = runcommand.data_venv_workdir(req.workdir, profile["name"])
     actual = venvfingerprint.current_fingerprint(where, profile)
     diff = venvfingerprint.fingerprint_diff(actual, req.data_lock_hash, profile)
@@ -104,7 +108,7 @@ def check_data_venv(plan: LaunchPlan, req: LaunchRequest, emit) -> dict | None:
         fix = "dflashctl rebuild-venv" + (f" --target {req.target}" if req.target else "") + f" --profile {profile['name']}"
         # venvfingerprint's lines name a bare rebuild-venv, which builds the training venv: name the data venv's.
         diff = [d.replace("`dflashctl rebuild-venv`", f"`{fix}`") for d in diff]
-        raise AgentFailure("VenvMismatch", f"the data stage's venv (profile {profile['name']!r}, in {where}/venvs) does "
+        raise AgentFailure("VenvMismatch", f"{use} (profile {profile['name']!r}, in {where}/venvs) does "
                            "not match its lock: " + "; ".join(diff[:6]), fix=fix,
                            data={"differences": diff, "data_venv": profile["name"]})
     emit.progress("venv", f"data venv {profile['name']} matches the lock", lock_hash=actual.get("lock_hash"))

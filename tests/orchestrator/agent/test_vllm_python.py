@@ -84,3 +84,32 @@ def test_the_printed_fix_pasted_into_bash_builds_the_venv_and_the_launch_then_pa
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     ok = dflashctl("launch", "vj", "--dry-run", env=env)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_vllm_judged_run_whose_vllm_venv_was_built_from_another_lock_is_refused(tmp_path, dflashctl):
+    """A run with no data stage, judged in vLLM after training: its vLLM venv (the data venv) is held to its lock
+    as a data stage's is. One built from another lock (its fingerprint says so) is refused before anything
+    starts, the refusal names that venv and both locks, and its fix rebuilds that profile, not the training
+    venv."""
+    from trainer.config import parse_config
+
+    work = tmp_path / "work"
+    current = Path(data_venv_workdir(str(work), "judge")) / "venvs" / "current"
+    (current / "bin").mkdir(parents=True)
+    (current / "bin" / "python").write_text("#!/bin/sh\n")
+    (current / "dflashctl-fingerprint.json").write_text(json.dumps({"kind": "uv", "venv": "v1", "lock_hash": "0ld10ck"}))
+    trainer = parse_config({"max_steps": 2, "evaluation": {"engine": "vllm"}}).model_dump(mode="json")
+    trainer.pop("output_dir")
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(json.dumps({
+        "targets": {"local": {"kind": "local", "workdir": str(work), "venv": "workstation"}},
+        "venvs": {"judge": {"kind": "uv", "lock": "cpu", "python": "3.11", "keep": 1}},
+        "experiments": {"vj": {"kind": "dflash", "target": "local", "data_venv": "judge", "trainer": trainer}},
+    }))
+    res = dflashctl("launch", "vj", "--dry-run", env={**os.environ, "DFLASHCTL_INVENTORY": str(inv)})
+    assert res.returncode != 0, res.stdout
+    assert "the vLLM venv that judges the export (profile 'judge'" in res.stderr, res.stderr
+    assert "was built from lock 0ld10ck" in res.stderr, res.stderr
+    fixes = [line for line in res.stderr.splitlines() if line.startswith("fix: ")]
+    assert fixes == ["fix: dflashctl rebuild-venv --target local --profile judge"], res.stderr
+    assert not (work / "runs").exists()
