@@ -59,8 +59,9 @@ SHARED_CACHE = os.environ.get("DFLASHCTL_TEST_UV_CACHE", "/var/tmp/dflashctl-tes
 @pytest.mark.timeout(1800)  # a real uv build on a shared 2-core machine
 def test_the_printed_fix_pasted_into_bash_builds_the_venv_and_the_launch_then_passes(tmp_path, dflashctl):
     """`dflashctl launch --dry-run` of an experiment with evaluation.engine: vllm whose data venv is not built
-    is refused before anything starts; its printed fix, pasted into bash, builds it (here from the cpu lock: the
-    check is the interpreter's presence, and vLLM's own lock takes 3.5 GB), and the launch then passes."""
+    is refused before anything starts; its printed fix, pasted into bash, builds it (here from the cpu lock, as the
+    profile says: the venv is held to its profile's lock, and vLLM's own lock takes 3.5 GB), and the launch then
+    passes."""
     from trainer.config import parse_config
 
     work = tmp_path / "work"
