@@ -57,6 +57,7 @@ from orchestrator.inventory_models import (  # noqa: F401 - the models' names, i
     WorkstationVenv,
     check_name,
     check_run_ref,
+    complete,
     resolve_env,
     trainer_layout,
 )
@@ -87,6 +88,7 @@ def _parse(text: str, source: str, cache: bool) -> Inventory:
         raw = {}
     if not isinstance(raw, dict):
         raise InventoryError(f"{source}:1: the top level must be a mapping (hosts:, targets:, ...)")
+    complete()
     try:
         inv = Inventory.model_validate(raw)
     except ValidationError as exc:

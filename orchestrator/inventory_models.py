@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -18,7 +18,9 @@ from orchestrator import located, names
 from orchestrator.errors import InventoryError, UserError
 from orchestrator.inventory_file import CONTAINER_HOME, CONTAINER_WORKDIR, EMBEDDED, PCT
 from orchestrator.located import suggest
-from trainer.config import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 
 def check_name(kind: str, value: str) -> str:
@@ -49,7 +51,28 @@ def check_run_ref(value: str, kind: str = "run id") -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    # defer_build: the validators are built on first use (`complete`), not when the module is imported: a
+    # command that never validates an inventory does not pay for them (nor for importing trainer.config).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, defer_build=True)
+
+
+def complete() -> None:
+    """Make the models usable (once per process): bind TrainConfig, whose import builds the trainer config's
+    own validators, for DflashExperiment's `trainer` field, and build the Inventory's validator. Called by
+    orchestrator.inventory before it validates anything."""
+    if Inventory.__pydantic_complete__:
+        return
+    from trainer.config import TrainConfig
+
+    globals()["TrainConfig"] = TrainConfig  # the name `trainer: TrainConfig` is resolved by, at build time
+    DflashExperiment.model_rebuild()  # its fields' types resolved (located's "did you mean" walks them)
+    Inventory.model_rebuild()
+
+
+def _train_config() -> TrainConfig:
+    from trainer.config import TrainConfig
+
+    return TrainConfig()
 
 
 class HostSpec(_Strict):
@@ -222,7 +245,7 @@ class DflashExperiment(_Strict):
     trainer.data.regenerate_engine: vllm (vLLM pins its own torch); default: the training venv."""
     layout: Layout = Layout()
     """GPU layout; empty lists: colocated on the CPU."""
-    trainer: TrainConfig = TrainConfig()
+    trainer: TrainConfig = Field(default_factory=_train_config)
     """The trainer config (trainer/config.py TrainConfig); written to runs/<id>/config.json."""
 
     @property
