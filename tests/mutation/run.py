@@ -93,8 +93,8 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/orchestrator/test_signatures.py", "tests/orchestrator/test_signatures_property.py"],
     },
     "launch lock": {
-        "files": ["orchestrator/agent/runs.py"],
-        "functions": ["orchestrator.agent.runs.xǁLaunchLockǁ*"],
+        "files": ["orchestrator/agent/launchlock.py"],
+        "functions": ["orchestrator.agent.launchlock.xǁLaunchLockǁ*"],
         "tests": ["tests/orchestrator/agent/test_claims_unit.py"],
     },
     "gpu claims": {  # who holds a GPU: a live launch, a live run (also after exit.json), an unknown one
