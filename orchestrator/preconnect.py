@@ -75,11 +75,14 @@ class EarlyConnection:
 
     def _prepare(self) -> None:
         """The thread's CPU work before it waits on the network: the SSH stack's imports and, for an agent
-        call, the bundle's hash."""
+        call, the bundle's hash and the modules that start it (the target, pct, the workstation's records).
+        Imported here, while the command waits: imported after the connection, they would wait for the GIL
+        while the command imports its own modules, and the agent would start that much later."""
         from orchestrator.transport.ssh import import_ssh_stack
 
         import_ssh_stack()
         if self.agent is not None:
+            from orchestrator import target  # noqa: F401 - with transport.pct and records: what starts the call
             from orchestrator.bundle import build_bundle
 
             build_bundle()

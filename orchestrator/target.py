@@ -9,17 +9,22 @@ contact included: a bundle the container may lack travels inline on stdin ahead 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
 
-from orchestrator.errors import AgentError, RemoteCommandError
 from orchestrator.agent import events
+from orchestrator.bundle import build_bundle, source_root
+from orchestrator.errors import AgentError, RemoteCommandError, UserError
+from orchestrator.quoting import with_env
+from orchestrator.records import state_dir
 from orchestrator.transport.base import Result, Started, Transport
-
-if TYPE_CHECKING:
-    from orchestrator.transport.pvehost import PveHost
+from orchestrator.transport.local import LocalTransport
+from orchestrator.transport.pct import PctTransport
+from orchestrator.transport.pvehost import PveHost
 
 EventCallback = Callable[[events.Event], None]
 
@@ -210,8 +215,6 @@ class LocalTarget(BaseTarget):
     def attach_argv(self, session: str, read_only: bool = False) -> list[str]:
         """The argv that attaches this terminal to `session` here (inside tmux already: switch the client,
         since tmux refuses to nest)."""
-        import os
-
         if os.environ.get("TMUX") and not read_only:
             return ["tmux", "switch-client", "-t", "=" + session]
         return tmux_attach_argv(session, read_only)
@@ -234,8 +237,6 @@ class ContainerTarget(BaseTarget):
 
     def wrap(self, argv: list[str]) -> list[str]:
         """argv with the container environment set inside the command itself (pct resets it)."""
-        from orchestrator.quoting import with_env
-
         return with_env(self.env(), argv)
 
     def attach_argv(self, session: str, read_only: bool = False) -> list[str]:
@@ -245,10 +246,6 @@ class ContainerTarget(BaseTarget):
 
         TERM travels inside the command: `--keep-env 0` drops it, and tmux refuses to attach without one.
         """
-        import os
-
-        from orchestrator.quoting import with_env
-
         inner = with_env({**self.env(), "TERM": os.environ.get("TERM") or "xterm-256color"},
                          tmux_attach_argv(session, read_only))
         return self.transport.interactive_argv(inner)
@@ -259,8 +256,6 @@ class ContainerTarget(BaseTarget):
 
     def agent_argv(self, verb: str, inline: int = 0) -> list[str]:
         """The agent's argv; `inline` > 0 means the bundle's bytes precede the request on stdin."""
-        from orchestrator.bundle import build_bundle
-
         bundle = build_bundle()
         return self.wrap(["bash", "-c", AGENT_BOOTSTRAP, "dflashctl-agent", self.workdir, bundle.hash, str(inline), verb])
 
@@ -272,8 +267,6 @@ class ContainerTarget(BaseTarget):
         return f"{host}/{ctid}/{self.workdir}"
 
     def _bundle_known(self, bundle_hash: str) -> bool:
-        from orchestrator.records import state_dir
-
         try:
             known = json.loads((state_dir() / KNOWN_BUNDLES).read_text())
         except (OSError, ValueError):
@@ -282,11 +275,6 @@ class ContainerTarget(BaseTarget):
 
     def _remember_bundle(self, bundle_hash: str) -> None:
         """Record that the container holds this bundle, so later commands send only the request."""
-        import os
-        import tempfile
-
-        from orchestrator.records import state_dir
-
         path = state_dir() / KNOWN_BUNDLES
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -307,8 +295,6 @@ class ContainerTarget(BaseTarget):
         """One exec per agent call. When this workstation does not know the container holds the bundle,
         the bundle travels inline on stdin ahead of the request (still one exec); when the cache was wrong
         (bundle deleted there), one retry with the bundle inline."""
-        from orchestrator.bundle import build_bundle
-
         bundle = build_bundle()
         inline = not self._bundle_known(bundle.hash)
         res = self._exec_agent(verb, payload, stream, timeout, bundle if inline else None)
@@ -344,8 +330,6 @@ class ContainerTarget(BaseTarget):
         Raises:
             ConnectError: the command could not be started.
         """
-        from orchestrator.bundle import build_bundle
-
         bundle = build_bundle()
         inline = 0 if self._bundle_known(bundle.hash) else len(bundle.data)
         return self.transport.start(self.agent_argv(verb, inline=inline))
@@ -395,10 +379,7 @@ def open_target(inv, name: str, early=None) -> BaseTarget:
             cannot be created.
         ConnectError / HostKeyError: the early connection to this target's host failed.
     """
-    from pathlib import Path
-
-    from orchestrator.errors import UserError
-    from orchestrator.inventory import ContainerTargetSpec, UvVenv
+    from orchestrator.inventory import ContainerTargetSpec, UvVenv  # pydantic: loaded by then (inv is one)
 
     spec = inv.target(name)
     if isinstance(spec, ContainerTargetSpec):
@@ -428,18 +409,12 @@ def open_target(inv, name: str, early=None) -> BaseTarget:
         venv_python = Path(workdir) / "venvs" / "current" / "bin" / "python"
         if venv_python.exists():
             python = str(venv_python)
-    from orchestrator.transport.local import LocalTransport
-
     return LocalTarget(name=name, workdir=str(workdir), transport=LocalTransport(env=local_env()), python=python)
 
 
 def local_env() -> dict[str, str]:
     """The environment of a local target's commands: this one, with this source tree first on PYTHONPATH (a
     venv's interpreter finds the agent there) and unbuffered output (events stream as they are written)."""
-    import os
-
-    from orchestrator.bundle import source_root
-
     path = os.pathsep.join(p for p in (str(source_root()), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
@@ -447,9 +422,6 @@ def local_env() -> dict[str, str]:
 def container_target(name: str, spec, host, ssh) -> "ContainerTarget":
     """A ContainerTarget for an inventory ContainerTargetSpec whose pct calls ride on `ssh` (a Transport
     to the Proxmox host; several callers may share one connection)."""
-    from orchestrator.transport.pct import PctTransport
-    from orchestrator.transport.pvehost import PveHost
-
     transport = PctTransport(ssh, spec.ctid, pct=host.pct, sudo=host.sudo)
     return ContainerTarget(name=name, workdir=spec.workdir, transport=transport, home=spec.home,
                            host=PveHost(ssh, spec.ctid, pct=host.pct, sudo=host.sudo))
