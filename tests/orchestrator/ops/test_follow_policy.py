@@ -282,3 +282,79 @@ def test_a_show_by_experiment_or_from_a_byte_offset(local_target):
     assert [x for x in lines if not x.startswith("[dflashctl]")] == ["b second", "b third"]
     assert out.offsets["log"] == (wd / "runs" / "b-1" / "train.log").stat().st_size
     assert follow(local_target, None, follow=False).run_id == "b-1"  # the newest of all
+
+
+def test_the_jitter_of_each_wait_is_drawn_from_the_rng_the_follow_is_given(tmp_path):
+    backoff = Backoff(initial=0.1, factor=2.0, cap=0.4, jitter=0.5, give_up_s=0.6)
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        time.sleep(s)
+
+    out = follow(down_target(tmp_path), "r-jitter-1", sleep=sleep, backoff=backoff, rng=random.Random(11))
+    twin = random.Random(11)
+    assert out.state == "lost" and len(sleeps) >= 2
+    assert sleeps[:2] == [backoff.delay(0, twin), backoff.delay(1, twin)]
+
+
+class BareEOF:
+    """A real target whose first exec fails with paramiko's bare EOFError() (no text: what its packetizer
+    raises when the peer closes the socket), before the agent runs; later execs reach the agent."""
+
+    def __init__(self, target):
+        self.target, self.calls = target, 0
+
+    def agent(self, verb, request=None, **kw):
+        self.calls += 1
+        if self.calls == 1:
+            raise EOFError()
+        return self.target.agent(verb, request, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+@pytest.mark.usefixtures("isolated_tmux")
+def test_a_drop_without_any_text_is_reported_as_no_detail(local_target):
+    ended_run(Path(local_target.workdir), "eof-1", "eof", "2026-01-01T00:00:00Z", [], ["only"])
+    statuses: list[str] = []
+    out = follow(BareEOF(local_target), "eof-1", on_status=statuses.append,
+                 backoff=Backoff(initial=0.1, jitter=0.0, give_up_s=10))
+    assert statuses == ["connection lost (no detail); reconnecting in 0.1 s"]
+    assert (out.state, out.reconnects) == ("succeeded", 1)
+
+
+class Hung:
+    """A local target whose every exec hangs before its first byte (its "interpreter" sleeps: an ssh handshake
+    that never completes); abort() cuts it as a dropped connection does (SIGKILL)."""
+
+    def __init__(self, workdir: Path):
+        fake = workdir / "hung-python3"
+        fake.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(120)\n")
+        fake.chmod(0o755)
+        self.target = LocalTarget(name="local", workdir=str(workdir), transport=LocalTransport(), python=str(fake))
+
+    def agent(self, verb, request=None, **kw):
+        return self.target.agent(verb, request, **kw)
+
+    def abort(self) -> None:
+        kill_tail_agents()
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_exec_silent_from_its_start_is_cut_too_and_the_outage_given_up(tmp_path):
+    """No event at all, not even the run event: the watchdog's clock starts with the exec, so each hung exec
+    is cut after heartbeat_timeout and the follow ends "lost" after give_up_s, not waiting on a hung exec."""
+    statuses: list[str] = []
+    t0 = time.monotonic()
+    try:
+        out = follow(Hung(tmp_path), "r-hung-1", on_status=statuses.append, heartbeat=0.2, heartbeat_timeout=1.0,
+                     backoff=Backoff(initial=0.1, jitter=0.0, give_up_s=1.0))
+    finally:
+        kill_tail_agents()
+    assert (out.state, out.exit_code) == ("lost", 3) and time.monotonic() - t0 < 30
+    assert statuses[0] == "connection lost (no heartbeat for 1 s); reconnecting in 0.1 s"
+    assert re.fullmatch(r"connection lost for [12] s: no heartbeat for 1 s", out.error), out.error
