@@ -132,9 +132,9 @@ def save_record(path: Path, verified: dict, added: dict[str, dict]) -> None:
         merged[k] = {**v, "at": now}
     if len(merged) > MAX_ENTRIES:
         merged = dict(sorted(merged.items(), key=lambda kv: kv[1].get("at", ""))[-MAX_ENTRIES:])
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"version": RECORD_VERSION, "verified": merged}, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    from orchestrator.agent import atomic  # here, not at the top: a worker (this file run by path) never writes
+
+    atomic.write_bytes(path, (json.dumps({"version": RECORD_VERSION, "verified": merged}, sort_keys=True) + "\n").encode())
 
 
 def default_jobs() -> int:
