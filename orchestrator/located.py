@@ -3,14 +3,16 @@
 Loading is two passes, the second only when an error must be placed:
 
 - `load_data` parses with libyaml (PyYAML's CSafeLoader) straight to plain data: no line index, no node graph
-  kept; the plain str/map/seq nodes are built by one walk of ours, the rest by PyYAML's safe constructor. A large file's data is also kept in a cache keyed by its text's SHA-256 (marshal, beside the state
-  dir), so the next command reads it back in a fraction of the parse (bench/inventory_load.py).
+  kept; the plain str/map/seq nodes are built by one walk of ours, the rest by PyYAML's safe constructor.
+  A large file's data is also kept in a cache keyed by its text's SHA-256 (marshal, beside the state dir),
+  so the next command reads it back in a fraction of the parse (bench/inventory_load.py).
 - `key_lines` composes the same text again with its marks and maps every key path to its 1-based line,
   refusing duplicate keys at their line. It runs for a duplicate the first pass noticed, for validation or
   reference errors, and for `line_of`.
 
-Before either: a control character YAML cannot hold is one `FILE:LINE` error, and anchors/aliases are
-refused at the alias's line (a 300-byte alias bomb expands to billions of nodes).
+Before either parses: a control character YAML cannot hold is one `FILE:LINE` error, and anchors/aliases are
+refused at the alias's line (a 300-byte alias bomb expands to billions of nodes). A text read back from the
+cache passed them when it was kept.
 
 `validation_errors` turns a pydantic ValidationError over the data into `FILE:LINE: key.path: what` lines
 (unknown keys get a "did you mean", a discriminated union's tag is left out of the path), and `place` does
@@ -24,6 +26,7 @@ import difflib
 import gc
 import hashlib
 import marshal
+import operator
 import os
 import re
 import sys
@@ -41,7 +44,8 @@ from orchestrator.errors import InventoryError
 # Texts smaller than this parse faster than a cache file is written and read back.
 CACHE_MIN_BYTES = 256 * 1024
 CACHE_KEEP = 4
-_CACHE_FORMAT = f"1-py{sys.version_info[0]}.{sys.version_info[1]}-pyyaml{yaml.__version__}"
+# The format names the checks too: an entry is only written for a text that passed them.
+_CACHE_FORMAT = f"2-py{sys.version_info[0]}.{sys.version_info[1]}-pyyaml{yaml.__version__}"
 
 Lines = dict[tuple[str, ...], int]
 
@@ -79,6 +83,13 @@ class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
 
     _tags: dict = {}
     _refuse_duplicates = False  # the first pass: a mapping shorter than its entries raises DuplicateKey
+
+    if not yaml.CSafeLoader.yaml_path_resolvers:
+        # The C composer calls these two for every node; they only track the path for path resolvers
+        # (yaml's add_path_resolver), of which this loader has none, so they are C no-ops here rather than
+        # two Python calls a node (~20% of composing a 10 MB inventory).
+        descend_resolver = operator.is_  # (parent, index) -> ignored
+        ascend_resolver = tuple  # () -> ignored
 
     def resolve(self, kind, value, implicit):
         if kind is not yaml.ScalarNode or self.yaml_path_resolvers:
@@ -273,14 +284,14 @@ def load_data(text: str, source: str, *, fixable: bool = True, cache_dir: Path |
         InventoryError: a control character, a YAML syntax error, an alias or a duplicate key, as one
             `FILE:LINE: what` line.
     """
-    refuse_unprintable(text, source, fixable)
-    refuse_aliases(text, source)
     path = _cache_path(text, cache_dir)
     if path is not None:
-        try:
+        try:  # only a text that passed every check below was kept, under this format's key
             return marshal.loads(path.read_bytes())
         except (OSError, EOFError, ValueError, TypeError):
             pass  # no entry yet (or a torn one): parse
+    refuse_unprintable(text, source, fixable)
+    refuse_aliases(text, source)
     try:
         data = _run(_DataLoader, text, source, lambda ld: ld.get_single_data())
     except DuplicateKey:
@@ -344,7 +355,8 @@ def key_lines(text: str, source: str) -> Lines:
 
     if node is not None:
         lines[()] = node.start_mark.line + 1
-        walk(node, ())
+        with no_gc():  # a key path per node: each collection would walk all of them again (19 s on 10 MB)
+            walk(node, ())
     return lines
 
 
