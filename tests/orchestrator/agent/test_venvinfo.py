@@ -152,23 +152,28 @@ def test_verify_record_progress_result_and_the_recorded_torch(tmp_path, monkeypa
 
 
 def test_verify_record_never_skips_nor_records_the_bundle_and_leaves_out_skipped_modules(tmp_path, monkeypatch):
-    """The bundle's own distribution is imported by every verify (last: what it imports is checked first), even
-    when its key is in the record, and never added to it (the bundle changes with every dflashctl); a module named in `skip` is not imported (here one
-    that would fail)."""
+    """The bundle's own distribution is imported by every verify (last: what it imports is checked first, here
+    after a wheel whose name sorts after the bundle's), even when its key is in the record, and never added to it
+    (the bundle changes with every dflashctl); a module named in `skip` is not imported (here one that would
+    fail)."""
     from orchestrator.agent import importcheck
-    from test_importcheck import _Quiet, _site_with
+    from test_importcheck import _site_with
 
-    record, keys = _site_with(tmp_path, monkeypatch, {venvinfo.BUNDLE_DIST.replace("-", "_"): "VALUE = 1\n",
+    name = venvinfo.BUNDLE_DIST.replace("-", "_")
+    record, keys = _site_with(tmp_path, monkeypatch, {name: "VALUE = 1\n", "ic_afterbundle": "VALUE = 2\n",
                                                       "ic_skipme": "raise ImportError('never imported')\n"})
     bundle = keys[venvinfo.BUNDLE_DIST]
     out = _Events()
     res = venvinfo.verify(out=out, skip=("ic_skipme",), record=record, jobs=1)
     imported = [f["module"] for _, f in out.seen]
-    assert res["failed"] == [] and imported[-1] == venvinfo.BUNDLE_DIST.replace("-", "_") and "ic_skipme" not in imported
-    assert bundle not in importcheck.load_record(record)
+    assert res["failed"] == [] and "ic_skipme" not in imported
+    assert imported[-1] == name and "ic_afterbundle" in imported[:-1]
+    assert bundle not in importcheck.load_record(record) and keys["ic-afterbundle"] in importcheck.load_record(record)
     importcheck.save_record(record, importcheck.load_record(record), {bundle: {"dist": venvinfo.BUNDLE_DIST, "version": "1.0"}})
-    again = venvinfo.verify(out=_Quiet, skip=("ic_skipme",), record=record, jobs=1)
-    assert venvinfo.BUNDLE_DIST not in again["skipped"] and again["modules"] == res["modules"] and again["failed"] == []
+    out = _Events()
+    again = venvinfo.verify(out=out, skip=("ic_skipme",), record=record, jobs=1)
+    assert venvinfo.BUNDLE_DIST not in again["skipped"] and "ic-afterbundle" in again["skipped"] and again["failed"] == []
+    assert [f["module"] for _, f in out.seen] == [m for m in imported if m != "ic_afterbundle"]
 
 
 def test_verify_record_imports_torch_when_not_recorded_and_records_its_build(tmp_path, monkeypatch):
