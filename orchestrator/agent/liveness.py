@@ -7,7 +7,7 @@ marker lives (orchestrator.agent.runprocs), or its command's process group from 
 command left: killed, container stopped).
 
 This module is the one place that checks liveness (of a pid, a process group, a run's session and processes)
-and decides a run's state; status, stop, launch, claims, tail and metrics all use it. The run directories
+and decides a run's state; status, stop, launch, resume, the GPU claims and tail use it. The run directories
 it reads are orchestrator.agent.rundirs's.
 """
 
