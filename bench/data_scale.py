@@ -126,7 +126,7 @@ def main() -> None:
 
     from trainer.config import TinyTargetConfig
     from trainer.data import Sample, save_samples
-    from trainer.store import build_store
+    from trainer.storebuild import build_store
     from trainer.tiny import build_tokenizer
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="data_scale-"))

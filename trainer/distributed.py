@@ -20,7 +20,7 @@ token store (trainer.store) and sends its files to the first rank of every other
     blocks   [<= 16 MiB] uint8   each array file in turn, cut into blocks (sizes follow from the manifest)
 
 The receiver writes them into a temporary directory, checks every sha256 against the manifest and renames it
-into place (trainer.store.receive_store), then writes its run's pointer, which the node's other ranks wait for.
+into place (trainer.storebuild.receive_store), then writes its run's pointer, which the node's other ranks wait for.
 Sending the files, not building on every node: the other nodes need neither the input files nor the regenerated
 data nor CPU time for tokenising, and there is one store, hash-checked, whatever they have on disk. Nothing
 is pickled: each rank maps the files.
@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import store as token_store
+from trainer import storebuild
 from trainer.layout import Layout
 
 
@@ -257,7 +258,7 @@ def send_store(store: "token_store.TokenStore", dst: int) -> None:
     wire = torch.from_numpy(buf)
     for name in token_store.ARRAYS:
         size = store.manifest["files"][name]["bytes"]
-        for block in token_store.read_file_blocks(store.path / name, size, STORE_BLOCK):  # a short file: StoreError
+        for block in storebuild.read_file_blocks(store.path / name, size, STORE_BLOCK):  # a short file: StoreError
             buf[: len(block)] = np.frombuffer(block, dtype=np.uint8)
             with talking_to(what, dst):
                 dist.send(wire[: len(block)], dst=dst, tag=STORE_TAG)
@@ -293,7 +294,7 @@ def receive_store(root: Path, src: int) -> "token_store.TokenStore":
             yield memoryview(buf)[:n]
             left -= n
 
-    return token_store.receive_store(root, manifest, read)  # a wrong sha256: StoreError, nothing kept
+    return storebuild.receive_store(root, manifest, read)  # a wrong sha256: StoreError, nothing kept
 
 
 def single_world(layout: Layout, device: torch.device | None = None) -> World:

@@ -5,7 +5,7 @@
                               (trainer.features.TargetHead, read selectively from the safetensors files)
     the data builder          (the first target rank, or the colocated rank) reads and regenerates the
                               conversations and opens their token store (trainer.store), building it first
-                              if no run of the target built it yet, then points the run at it
+                              if no run of the target built it yet (trainer.storebuild), then points the run at it
                               (<run>/data/store.json); every other rank waits for that pointer and maps the
                               same store, so all ranks see the very same samples; across nodes the store's
                               files are sent to each node (World.share_store)
@@ -28,9 +28,8 @@ from trainer.atomic import write_json
 from trainer.config import TrainConfig
 from trainer.data import DataError, SkipReport, read_prompts
 from trainer.regenerate import regenerated_files
-from trainer.store import (
-    POINTER, TokenStore, build_store, datasets_root, open_store, read_pointer, wait_for_store, write_pointer,
-)
+from trainer.store import POINTER, TokenStore, datasets_root, open_store, read_pointer, wait_for_store, write_pointer
+from trainer.storebuild import build_store
 
 class TrainError(RuntimeError):
     """Training cannot start or continue; the message says what to change."""

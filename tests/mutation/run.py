@@ -118,7 +118,7 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/orchestrator/agent/test_runprocs_mutants.py"],
     },
     "token store": {  # the store's key, its files' sizes and hashes on open and verify, the build's publish
-        "files": ["trainer/store.py"],
+        "files": ["trainer/store.py", "trainer/storebuild.py"],
         # What a rank opens and trusts: the key, the checks on open and verify, the chunks, the publish. The
         # build's own code is "token store (build)" (--full: 1109 mutants with it, ~40 min here). Not the
         # workers' tokenising (forked processes: mutmut cannot see which test ran it; a mistake changes every
@@ -129,16 +129,18 @@ MODULES: dict[str, dict] = {
                       "trainer.store.x_store_dir__*", "trainer.store.xǁTokenStoreǁ*",
                       "trainer.store.x__read_manifest__*", "trainer.store.x__expected_len__*",
                       "trainer.store.x_open_store__*", "trainer.store.x_verify__*",
-                      "trainer.store.x__publish__*", "trainer.store.x__clear_stale__*", "trainer.store.x_split_files__*"],
+                      "trainer.storebuild.x__publish__*", "trainer.storebuild.x__clear_stale__*",
+                      "trainer.storebuild.x_split_files__*"],
         "tests": ["tests/trainer/test_store_unit.py", "tests/trainer/test_store.py",
                   "-k", "not memory_does_not_grow and not tiny_run_trains"],
     },
     "token store (build)": {  # --full only: the build, its npy files and manifest (test_store_unit compares
         # them byte for byte and against the list path)
         "full": True,
-        "files": ["trainer/store.py"],
-        "functions": ["trainer.store.x__npy_header__*", "trainer.store.xǁ_Hashedǁ*", "trainer.store.x__count_lines__*",
-                      "trainer.store.x__concatenate__*", "trainer.store.x_build_store__*"],
+        "files": ["trainer/storebuild.py"],
+        "functions": ["trainer.storebuild.x__npy_header__*", "trainer.storebuild.xǁ_Hashedǁ*",
+                      "trainer.storebuild.x__count_lines__*", "trainer.storebuild.x__concatenate__*",
+                      "trainer.storebuild.x_build_store__*"],
         "tests": ["tests/trainer/test_store_unit.py", "tests/trainer/test_store.py",
                   "-k", "not memory_does_not_grow and not tiny_run_trains"],
     },

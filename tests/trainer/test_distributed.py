@@ -253,7 +253,7 @@ def test_a_token_store_crosses_to_another_node_as_hash_checked_files(tmp_path):
     it only if every file hashes to the sender's manifest; a corrupt file on the sender is refused by name and
     leaves nothing behind on the receiver."""
     from tests.trainer.test_store import CFG, write_conversations
-    from trainer.store import build_store
+    from trainer.storebuild import build_store
     from trainer.tiny import build_tokenizer
 
     f = write_conversations(tmp_path / "a.jsonl", 120)

@@ -18,7 +18,8 @@ import torch
 
 from trainer.config import TinyTargetConfig
 from trainer.data import Sample, SkipReport, plan_epoch, read_conversations, save_samples, tokenize
-from trainer.store import DATASETS_ENV, StoreError, build_store, datasets_root, open_store, store_dir, verify
+from trainer.store import DATASETS_ENV, StoreError, datasets_root, open_store, store_dir, verify
+from trainer.storebuild import build_store
 from trainer.tiny import build_tokenizer, generate_prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -215,7 +216,7 @@ def test_a_manifest_that_does_not_match_is_refused(tmp_path, tok):
 
 _BUILD = """
 import sys
-from trainer.store import build_store
+from trainer.storebuild import build_store
 from trainer.tiny import build_tokenizer
 from tests.trainer.test_store import CFG
 build_store([sys.argv[1]], build_tokenizer(CFG), sys.argv[2], max_len=80, workers=1, lines_per_chunk=25)

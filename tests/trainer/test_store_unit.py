@@ -16,9 +16,10 @@ import pytest
 
 from trainer.data import DataError
 from trainer.store import (
-    ARRAYS, FORMAT, MANIFEST, Chunk, StoreError, _clear_stale, _count_lines, _npy_header, _publish, build_store,
-    datasets_root, file_sha256, open_store, split_files, store_dir, store_key, tokenizer_identity, verify,
+    ARRAYS, FORMAT, MANIFEST, StoreError, datasets_root, file_sha256, open_store, store_dir, store_key,
+    tokenizer_identity, verify,
 )
+from trainer.storebuild import Chunk, _clear_stale, _count_lines, _npy_header, _publish, build_store, split_files
 from trainer.tiny import build_tokenizer
 from tests.trainer.test_store import CFG, list_path, write_conversations
 
