@@ -117,7 +117,12 @@ def run_command(inv: Path, tag: str) -> None:
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-               DFLASHCTL_STATE_DIR=str(inv.parent / "state"))  # run records of the bench stay in its temp dir
+               DFLASHCTL_STATE_DIR=str(inv.parent / "state"),  # run records of the bench stay in its temp dir
+               # Bytecode as an installed dflashctl has it (pip compiles a wheel's modules), kept in the temp
+               # dir, even where the environment says PYTHONDONTWRITEBYTECODE: without it every run compiles
+               # the project's modules from source, a cost no installed dflashctl pays.
+               PYTHONPYCACHEPREFIX=str(inv.parent / "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     res = subprocess.run([*console_script(), "-i", str(inv), "launch", "bench", "--tag", tag],
                          capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
     if res.returncode != 0:
