@@ -231,7 +231,21 @@ class Layout(_Strict):
         return [n.target for n in self.nodes]
 
 
-class DflashExperiment(_Strict):
+class _NeedsTrainer(_Strict):
+    """A model whose validator needs TrainConfig: `complete` runs before its first construction or validation,
+    however it is reached (orchestrator.inventory calls it too)."""
+
+    def __init__(self, **data: Any):
+        complete()
+        super().__init__(**data)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any):
+        complete()
+        return super().model_validate(obj, **kwargs)
+
+
+class DflashExperiment(_NeedsTrainer):
     """Train a DFlash drafter with the bundled trainer."""
 
     kind: Literal["dflash"]
@@ -336,7 +350,7 @@ class Monitor(_Strict):
     """Flag a real τ that falls by more than this fraction of the best earlier evaluation."""
 
 
-class Inventory(_Strict):
+class Inventory(_NeedsTrainer):
     """The whole inventory.yaml."""
 
     hosts: dict[str, HostSpec] = {}
