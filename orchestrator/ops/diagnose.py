@@ -13,7 +13,8 @@ from typing import Any
 
 from orchestrator import ownlines
 from orchestrator.errors import UserError
-from orchestrator.signatures import SEVERITY_RANK, Catalogue, Match, Matcher, load_catalogue
+from orchestrator.sigmatch import Match, Matcher
+from orchestrator.signatures import SEVERITY_RANK, Catalogue, load_catalogue
 
 BLOCK_SIZE = 8 << 20
 # A "line" longer than this without a newline (a progress bar redrawn for hours) is matched in pieces.

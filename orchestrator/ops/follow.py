@@ -23,7 +23,7 @@ from orchestrator.errors import AgentError, ConnectError, HostKeyError, RemoteCo
 from orchestrator.monitor import Alert
 from orchestrator.ops.followoutcome import FollowOutcome
 from orchestrator.ops.loghealth import LogHealth
-from orchestrator.signatures import Match, Matcher
+from orchestrator.sigmatch import Match, Matcher
 
 if TYPE_CHECKING:
     from orchestrator.target import BaseTarget as Target

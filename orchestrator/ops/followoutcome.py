@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from orchestrator.monitor import Alert
-from orchestrator.signatures import UNCLASSIFIED, Match
+from orchestrator.sigmatch import Match
+from orchestrator.signatures import UNCLASSIFIED
 
 # Outcome -> process exit code (README, `dflashctl logs --help`).
 EXIT_SUCCEEDED = 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.ops.followoutcome import FollowOutcome, FoundMatch, match_dict, signature_id
-from orchestrator.signatures import Matcher, load_catalogue, match_exit
+from orchestrator.sigmatch import Matcher, match_exit
+from orchestrator.signatures import load_catalogue
 
 
 def build_matcher(inv) -> Matcher:

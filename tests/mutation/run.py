@@ -73,23 +73,23 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/orchestrator/ops/test_logs.py", "-k", "overlapping_chunk or feeds_the_real_matcher"],
     },
     "signatures (matcher)": {  # grouping a traceback into one event: chained exceptions, rank prefixes, winner
-        "files": ["orchestrator/signatures.py"],
+        "files": ["orchestrator/sigmatch.py"],
         # Not _Traceback.__init__: it stores its arguments; of its 18 mutants 13 fail every grouping test and 5
         # are equivalent, each of those running the property tests in full (a minute of this module's time).
-        "functions": ["orchestrator.signatures.xǁMatcherǁfeed_line__*", "orchestrator.signatures.xǁMatcherǁ_absorb__*",
-                      "orchestrator.signatures.xǁMatcherǁ_close__*", "orchestrator.signatures.xǁMatcherǁ_close_then__*",
-                      "orchestrator.signatures.xǁMatcherǁ_idle_line__*", "orchestrator.signatures.xǁMatcherǁfinish__*",
-                      "orchestrator.signatures.xǁ_Tracebackǁadd__*", "orchestrator.signatures.x__same_tag__*",
-                      "orchestrator.signatures.x__winner__*"],
+        "functions": ["orchestrator.sigmatch.xǁMatcherǁfeed_line__*", "orchestrator.sigmatch.xǁMatcherǁ_absorb__*",
+                      "orchestrator.sigmatch.xǁMatcherǁ_close__*", "orchestrator.sigmatch.xǁMatcherǁ_close_then__*",
+                      "orchestrator.sigmatch.xǁMatcherǁ_idle_line__*", "orchestrator.sigmatch.xǁMatcherǁfinish__*",
+                      "orchestrator.sigmatch.xǁ_Tracebackǁadd__*", "orchestrator.sigmatch.x__same_tag__*",
+                      "orchestrator.sigmatch.x__winner__*"],
         "tests": ["tests/orchestrator/test_signatures.py", "tests/orchestrator/test_signatures_property.py",
                   "-k", "not clean_100k_line_log"],
     },
     "signatures (line scanning)": {  # --full only: 260 mutants, about 25 min here
         "full": True,
-        "files": ["orchestrator/signatures.py"],
-        "functions": ["orchestrator.signatures.xǁMatcherǁ_traceback_line__*",
-                      "orchestrator.signatures.xǁMatcherǁscan_chunk__*", "orchestrator.signatures.xǁMatcherǁ_segment__*",
-                      "orchestrator.signatures.xǁMatcherǁ_line_event__*"],
+        "files": ["orchestrator/sigmatch.py"],
+        "functions": ["orchestrator.sigmatch.xǁMatcherǁ_traceback_line__*",
+                      "orchestrator.sigmatch.xǁMatcherǁscan_chunk__*", "orchestrator.sigmatch.xǁMatcherǁ_segment__*",
+                      "orchestrator.sigmatch.xǁMatcherǁ_line_event__*"],
         "tests": ["tests/orchestrator/test_signatures.py", "tests/orchestrator/test_signatures_property.py"],
     },
     "launch lock": {

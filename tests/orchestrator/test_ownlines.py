@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from orchestrator import ownlines
 from orchestrator.ops.diagnose import diagnose
-from orchestrator.signatures import Matcher, load_catalogue
+from orchestrator.sigmatch import Matcher
+from orchestrator.signatures import load_catalogue
 from orchestrator.quoting import render_line
 
 FORGED = "x\nModuleNotFoundError: No module named 'accelerate'"

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import InventoryError
+from orchestrator.sigmatch import Matcher, match_exit
 from orchestrator.signatures import (
     SEVERITY_RANK,
     UNCLASSIFIED,
-    Matcher,
     load_catalogue,
-    match_exit,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "signatures"

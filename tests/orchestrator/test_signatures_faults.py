@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.signatures import Matcher, load_catalogue
+from orchestrator.sigmatch import Matcher
+from orchestrator.signatures import load_catalogue
 
 
 def named(lines: list[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Property tests of the signature matcher (orchestrator.signatures): a known traceback from
+"""Property tests of the signature matcher (orchestrator.sigmatch): a known traceback from
 tests/fixtures/signatures/, placed anywhere among arbitrary healthy training output, is found exactly once,
 with its own signature, at its own line, also when it is chained and when every line carries torchrun's
 `[rankN]: ` tag; healthy output alone never matches. The block scanner (`diagnose`'s fast path) must agree
@@ -11,7 +11,8 @@ from pathlib import Path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.signatures import Matcher, load_catalogue
+from orchestrator.sigmatch import Matcher
+from orchestrator.signatures import load_catalogue
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "signatures"
 CATALOGUE = load_catalogue()

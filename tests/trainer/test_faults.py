@@ -16,7 +16,8 @@ import pytest
 
 from tests.trainer.test_trainer_launch import REPO, SPLIT, env, small_config, write  # noqa: F401
 from orchestrator.agent import runprocs
-from orchestrator.signatures import Matcher, load_catalogue
+from orchestrator.sigmatch import Matcher
+from orchestrator.signatures import load_catalogue
 from trainer import faults
 
 pytestmark = pytest.mark.slow  # runs real processes: `-m "not slow"` leaves it out

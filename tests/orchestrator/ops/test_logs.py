@@ -197,7 +197,8 @@ CAT = [sys.executable, "-c", "import sys; sys.stdout.write(open(sys.argv[1]).rea
 def test_a_failed_runs_exit_code_follows_the_severity_of_what_matched(tmp_path, fixture, signature, code):
     """A run that prints a real log (the catalogue's fixture) and exits 1, followed with the real matcher and
     catalogue, as `logs` follows it."""
-    from orchestrator.signatures import Matcher, load_catalogue
+    from orchestrator.sigmatch import Matcher
+    from orchestrator.signatures import load_catalogue
 
     start_run(tmp_path, "r-sev", "sev", [*CAT, str(FIXTURES / f"{fixture}.log"), "1"])
     matches: list = []
@@ -208,7 +209,8 @@ def test_a_failed_runs_exit_code_follows_the_severity_of_what_matched(tmp_path, 
 
 
 def test_outcome_json_shape(tmp_path):
-    from orchestrator.signatures import Matcher, load_catalogue
+    from orchestrator.sigmatch import Matcher
+    from orchestrator.signatures import load_catalogue
 
     start_run(tmp_path, "r-json", "json", [*CAT, str(FIXTURES / "nccl-timeout.log"), "1"])
     out = follow(local_target(tmp_path), "r-json", matcher=Matcher(load_catalogue()), backoff=FAST, heartbeat=0.5)
@@ -685,7 +687,8 @@ def test_the_follower_turns_data_events_into_lines_and_feeds_the_real_matcher():
     CRLF endings, a final partial line, invalid UTF-8 shown as U+FFFD, a first event at a non-zero offset,
     an event with no text, and every line through the real matcher (a match reaches on_match)."""
     from orchestrator.ops.follow import _Follower
-    from orchestrator.signatures import Matcher, load_catalogue
+    from orchestrator.sigmatch import Matcher
+    from orchestrator.signatures import load_catalogue
 
     lines: list[str] = []
     matches: list = []
