@@ -21,7 +21,7 @@ import paramiko
 import pytest
 
 from orchestrator.agent.events import Data
-from orchestrator.errors import AgentError, ConnectError, HostKeyError, RemoteCommandError
+from orchestrator.errors import AgentError, ConnectError, HostKeyError, RemoteCommandError, RunNotFound
 from orchestrator.ops.follow import Backoff, _transient, follow
 from orchestrator.ops.followoutcome import FollowOutcome
 from orchestrator.ops.launch import LaunchSpec, launch
@@ -298,31 +298,43 @@ def test_the_jitter_of_each_wait_is_drawn_from_the_rng_the_follow_is_given(tmp_p
     assert sleeps[:2] == [backoff.delay(0, twin), backoff.delay(1, twin)]
 
 
-class BareEOF:
-    """A real target whose first exec fails with paramiko's bare EOFError() (no text: what its packetizer
-    raises when the peer closes the socket), before the agent runs; later execs reach the agent."""
+class FailsFirst:
+    """A real target whose first exec fails with `exc` before the agent runs (what paramiko raises on a cut:
+    its packetizer's bare EOFError() when the peer closes the socket, an SSHException for a broken banner);
+    later execs reach the agent."""
 
-    def __init__(self, target):
-        self.target, self.calls = target, 0
+    def __init__(self, target, exc: BaseException):
+        self.target, self.exc, self.calls = target, exc, 0
 
     def agent(self, verb, request=None, **kw):
         self.calls += 1
         if self.calls == 1:
-            raise EOFError()
+            raise self.exc
         return self.target.agent(verb, request, **kw)
 
     def __getattr__(self, name):
         return getattr(self.target, name)
 
 
+@pytest.mark.parametrize("exc, detail", [
+    (EOFError(), "no detail"),  # no text at all
+    (paramiko.SSHException("Error reading SSH protocol banner"), "Error reading SSH protocol banner"),
+])
 @pytest.mark.usefixtures("isolated_tmux")
-def test_a_drop_without_any_text_is_reported_as_no_detail(local_target):
+def test_a_drop_by_paramiko_is_reconnected_and_named_in_the_status(local_target, exc, detail):
     ended_run(Path(local_target.workdir), "eof-1", "eof", "2026-01-01T00:00:00Z", [], ["only"])
     statuses: list[str] = []
-    out = follow(BareEOF(local_target), "eof-1", on_status=statuses.append,
+    out = follow(FailsFirst(local_target, exc), "eof-1", on_status=statuses.append,
                  backoff=Backoff(initial=0.1, jitter=0.0, give_up_s=10))
-    assert statuses == ["connection lost (no detail); reconnecting in 0.1 s"]
+    assert statuses == [f"connection lost ({detail}); reconnecting in 0.1 s"]
     assert (out.state, out.reconnects) == ("succeeded", 1)
+
+
+def test_no_such_run_says_which_and_how_to_list_the_runs(local_target):
+    with pytest.raises(RunNotFound) as err:
+        follow(local_target, "r-none-20260101-000000", backoff=Backoff(initial=0.1, give_up_s=10))
+    assert err.value.message.startswith("no run 'r-none-20260101-000000' in ")
+    assert (err.value.fix or "").startswith("dflashctl runs")
 
 
 class Hung:
