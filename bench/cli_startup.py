@@ -16,6 +16,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,7 +60,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    # Bytecode as an installed dflashctl has it (pip compiles a wheel's modules), in a temp dir, even where the
+    # environment says PYTHONDONTWRITEBYTECODE: otherwise every timed run compiles the project from source.
+    pycache = tempfile.mkdtemp(prefix="dflashctl-bench-pycache-")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+               PYTHONPYCACHEPREFIX=pycache)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     cases = {"python -c pass": [sys.executable, "-c", "pass"],
              "dflashctl --help": [*console_script(), "--help"],
              "dflashctl launch --help": [*console_script(), "launch", "--help"]}
@@ -81,6 +87,7 @@ def main() -> int:
     print("  largest imports of `dflashctl --help` (cumulative):")
     for us, mod in largest_imports(cases["dflashctl --help"], env):
         print(f"    {us / 1e3:7.1f} ms {mod.strip()}")
+    shutil.rmtree(pycache, ignore_errors=True)
     return 0
 
 
