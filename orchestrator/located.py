@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import gc
 import hashlib
 import marshal
@@ -70,38 +71,34 @@ _SEQ = "tag:yaml.org,2002:seq"
 _SHARED = frozenset(f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool", "null"))
 
 
-class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-    """libyaml's loader, two things faster for an inventory's shape (bench/inventory_load.py):
+_Base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-    - implicit-tag resolution (Python, called by the C composer once per scalar) is remembered per distinct
-      plain scalar (an inventory repeats the same few values thousands of times), and a quoted scalar is a
-      string without a lookup, as YAML's resolver says;
+
+class Loader(_Base):
+    """libyaml's loader, faster for an inventory's shape (bench/inventory_load.py), with the same results:
+
+    - the C composer calls three resolver methods for every node; implicit-tag resolution is memoised per
+      load in C (functools.cache: a value seen before costs no Python call; an inventory repeats the same
+      few values thousands of times), and the two that only track paths for path resolvers are C no-ops;
     - the data is built from the node graph by one walk for the plain str/map/seq nodes (PyYAML's generic
       constructor costs ~3 us a node); every other node (an int, a date, a `<<` merge, a non-text key, an
       explicit tag) goes to that constructor, so the data and its errors are exactly the safe loader's.
     """
 
-    _tags: dict = {}
     _refuse_duplicates = False  # the first pass: a mapping shorter than its entries raises DuplicateKey
 
-    if not yaml.CSafeLoader.yaml_path_resolvers:
-        # The C composer calls these two for every node; they only track the path for path resolvers
-        # (yaml's add_path_resolver), of which this loader has none, so they are C no-ops here rather than
-        # two Python calls a node (~20% of composing a 10 MB inventory).
+    if not _Base.yaml_path_resolvers:  # (yaml's add_path_resolver: none here)
         descend_resolver = operator.is_  # (parent, index) -> ignored
         ascend_resolver = tuple  # () -> ignored
 
-    def resolve(self, kind, value, implicit):
-        if kind is not yaml.ScalarNode or self.yaml_path_resolvers:
-            return super().resolve(kind, value, implicit)
-        if not implicit[0]:  # quoted: no implicit tag (BaseResolver's default, without its walk)
-            return self.DEFAULT_SCALAR_TAG
-        tag = self._tags.get(value)
-        if tag is None:
-            tag = super().resolve(kind, value, implicit)
-            if len(self._tags) < 65536:  # bounded: a file of unique values gains nothing from it
-                self._tags[value] = tag
-        return tag
+    def __init__(self, stream):
+        super().__init__(stream)
+        if not self.yaml_path_resolvers:  # then a tag depends on (kind, value, implicit) alone
+            self.resolve = functools.cache(self.resolve)
+
+    def dispose(self):
+        super().dispose()
+        self.__dict__.pop("resolve", None)  # the memo (and the loader it refers back to) freed now
 
     def get_single_data(self):
         node = self.get_single_node()
