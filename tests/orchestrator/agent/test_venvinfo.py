@@ -223,7 +223,9 @@ def test_verify_record_keeps_a_cuda_builds_torch_facts(tmp_path, monkeypatch):
     importcheck.save_record(record, verified, {})
     # torch's other top-level modules (functorch, ...) import the real torch's submodules: not imported here.
     others = tuple(m for m in bundlescan.top_level_modules(metadata.distribution("torch")) if m != "torch")
-    res = venvinfo.verify(out=_Events(), skip=others, record=record, jobs=1)
+    out = _Events()
+    res = venvinfo.verify(out=out, skip=others, record=record, jobs=1)
+    assert out.seen[0][1]["module"] == "torch"  # first of all
     assert res["failed"] == [] and (res["torch"], res["cuda"], res["device_count"]) == ("2.99.0+cu129", "12.9", 0)
     entry = importcheck.load_record(record)[keys["torch"]]
     assert {k: v for k, v in entry.items() if k != "at"} == {"dist": "torch", "version": metadata.version("torch"),
