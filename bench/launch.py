@@ -17,6 +17,17 @@ Each launch is followed (untimed) by killing its session so the next one starts 
 the very first agent call is done before timing and reported separately. Needs root (namespaces).
 Goals: command <= 1.3x the bare exec, <= 0.2x the hand loop (the load average is printed beside them: on a
 loaded machine every figure grows with it).
+
+Measured (2 CPUs shared with other jobs; `--repeats 3 --pct-delay 0.3`), 2026-12-02:
+  before (731d783), load 0.96: command 1.26 s, bare 0.65 s, by hand 3.87 s -> 1.94x bare, 0.33x by hand;
+      CPU 0.64 s (this machine sets PYTHONDONTWRITEBYTECODE=1, so each run compiled the project from source).
+  after (bf3e73c: the early agent call starts right after the connection; invoke not imported with paramiko;
+      bytecode kept), load 9.2: command 2.78 s, bare 0.92 s, by hand 5.97 s -> 3.01x, 0.47x; CPU 0.66 s.
+  Same run, same fake host, trees alternated (6 launches each, load 15-17): before 4.12 s / CPU 0.77 s,
+      after 3.51 s / CPU 0.67 s (bare 1.01 s). Without the early connection (load 12-15): 2.84 s against
+      2.70 s with it. The remaining CPU is mostly imports: the inventory's (pydantic models, ~0.19 s of
+      `import orchestrator.inventory` alone), paramiko with cryptography and nacl (~0.1 s), typer and the
+      pydantic TypeAdapters it builds for the flags, the agent protocol's dataclasses.
 """
 
 from __future__ import annotations
