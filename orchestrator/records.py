@@ -11,12 +11,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator import names
+from orchestrator.agent import atomic
 from orchestrator.errors import RunNotFound, UserError
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
@@ -225,12 +225,7 @@ def save_printed_offset(run_id: str, target: str, offset: int) -> None:
             raise UserError(f"bad {kind} {value!r} for the printed-offset file", fix="use the run id as printed")
     path = _printed_path(run_id, target)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps({"offset": int(offset)}))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic.write_bytes(path, json.dumps({"offset": int(offset)}).encode(), 0o644)
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

@@ -13,11 +13,11 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from orchestrator.agent import atomic
 from orchestrator.errors import UserError
 from orchestrator.ops.lockfile import normalize_name
 from orchestrator.records import state_dir
@@ -164,9 +164,6 @@ def remember(key: str, uv_sha: str | None, wheels: list[CarriedWheel]) -> None:
         held = dict(entry.get("wheels") or {})
         held.update({w.file: w.sha256 for w in wheels})
         data[key] = {"uv": uv_sha or entry.get("uv"), "wheels": held}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".carried-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        atomic.write_bytes(path, json.dumps(data).encode(), 0o644)
     except OSError:
         pass  # a cache: losing it costs one inline copy later, nothing else

@@ -60,3 +60,35 @@ def test_a_reader_in_another_process_sees_only_whole_files(tmp_path):
     (tmp_path / "done").touch()
     out = json.loads(reader.communicate(timeout=60)[0])
     assert out["bad"] == 0 and len(out["seen"]) > 1 and set(out["seen"]) <= {d["n"] for d in docs}
+
+
+def test_a_write_that_fails_at_its_rename_leaves_no_temp_file(tmp_path):
+    """A write whose rename fails (here a directory stands where the file goes, as a full disk or a read-only
+    mount fails a writer part way) raises, and leaves nothing beside the path: no `.NAME.*.tmp`."""
+    (tmp_path / "exit.json").mkdir()
+    with pytest.raises(OSError):
+        atomic.write_json(tmp_path / "exit.json", {"exit_code": 0})
+    assert os.listdir(tmp_path) == ["exit.json"]
+
+
+def test_two_threads_writing_one_file_each_leave_a_whole_document(tmp_path):
+    """The workstation writes a run's printed offset from several follow threads: two threads writing the same
+    file at once never share a temporary file, so every write lands whole."""
+    import threading
+
+    path = tmp_path / "printed.json"
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(200):
+                atomic.write_json(path, {"writer": n, "i": i, "pad": "x" * (n * 5000)})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and json.loads(path.read_text())["i"] == 199 and os.listdir(tmp_path) == ["printed.json"]
