@@ -14,6 +14,8 @@ Measured (2 shared CPUs, other helpers' test suites running; 10.0 MB, best of 3,
 
     load 8.4   before 15.06 s (5.99)   first load 7.91 s (3.01)  1.9x   cached 1.16 s (0.57)  12.9x
                located pass 14.05 s (4.96)
+    load 0.5   before  6.13 s (6.13)   first load 2.94 s (2.94)  2.1x   cached 0.57 s (0.57)  10.8x
+               located pass  5.58 s (5.58)
 
 Where a first load's CPU goes now (10 MB, cProfile and process_time): libyaml's C composer building the node
 graph with its marks ~1.3-2 s (libyaml's own parse is 0.18 s of it: the rest is a Python object, two marks
