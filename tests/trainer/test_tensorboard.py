@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -39,6 +40,12 @@ def test_a_resumed_run_hides_the_steps_it_repeats(tmp_path):
         for step in (10, 20, 30):
             w.write({"kind": "train", "step": step, "loss": float(step)})
     rewind_metrics(p, 20)
+    # A resume is a new process seconds later. TensorBoard reads event files in name order, and a name is
+    # `events.out.tfevents.<second>.<host>.<pid>.<counter>`: two writers of one process in one second sort by
+    # the counter as text (10 before 9), so the second writer starts in the next second, as a resume does.
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.02)
     with MetricsWriter(p) as w:
         w.write({"kind": "train", "step": 30, "loss": -1.0})
     assert _scalars(tmp_path)["train/loss"] == [(10, 10.0), (20, 20.0), (30, -1.0)]
