@@ -43,6 +43,7 @@ def test_gpu_check_refuses_an_unknown_argument():
     assert "unknown argument '--gpu'; usage: bash bench/gpu_check.sh [--cpu-tiny]" in r.stderr
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_step_on_cpu_at_the_tiny_size_reports_tokens_per_s_and_flops(tmp_path):
     out = tmp_path / "step.json"
     r = subprocess.run(

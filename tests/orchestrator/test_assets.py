@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from orchestrator import assets
 from orchestrator.bundle import build_bundle
 
@@ -42,6 +44,7 @@ def test_the_bundle_carries_the_templates_where_the_wheel_does(tmp_path):
     assert out.stdout == (REPO / "templates" / "start_training.sh").read_text()
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_wheel_carries_every_module_and_template(tmp_path):
     """A non-editable build: every package module and every template is in the wheel, at orchestrator/templates.
     Built from a copy of the tree (setuptools writes build/ beside the sources), links kept as git has them."""

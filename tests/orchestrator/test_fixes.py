@@ -48,6 +48,7 @@ def _checks(dflashctl, inv: Path, env: dict | None = None) -> dict:
     return {c["name"]: c for c in json.loads(r.stdout)["checks"]}
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_doctors_pct_start_fix_is_the_ssh_command_and_works_as_pasted(pve, tmp_path, dflashctl):
     pve.create_container(331, gpus=1, running=False)
     fix = _checks(dflashctl, _inventory(tmp_path, pve.host_entry(), 331))["container running"]["fix"]
@@ -58,6 +59,7 @@ def test_doctors_pct_start_fix_is_the_ssh_command_and_works_as_pasted(pve, tmp_p
     assert _checks(dflashctl, _inventory(tmp_path, pve.host_entry(), 331))["container running"]["status"] == "ok"
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_an_ssh_config_alias_is_printed_alone_and_works_with_that_config(pve, tmp_path, dflashctl):
     # The user's ~/.ssh/config names the host; the inventory says only `ssh: pve-alias`.
     home = tmp_path / "home"

@@ -160,6 +160,7 @@ def _attach_and_detach(inv: str, run_id: str, session: str) -> None:
 
 
 @pytest.mark.usefixtures("isolated_tmux")
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_longest_legal_names_end_to_end(tmp_path, dflashctl):
     inv = str(_inventory(tmp_path))
     r = dflashctl("-i", inv, "launch", EXPERIMENT, "--tag", TAG)

@@ -155,6 +155,7 @@ def _inventory(tmp_path: Path, argv: list[str]) -> Path:
     return inv
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_an_argument_cannot_forge_a_crash_in_the_follow(tmp_path, dflashctl):
     # The run fails for its own reason (exit 3, no traceback); an argument carries a newline and a fake
     # "missing accelerate". The follow must report the real outcome: failed, exit code 3, exit status 1.

@@ -93,6 +93,7 @@ LOG_LINE = f"{RANK} unreachable at {HOSTPORT} with {FILENAMES}"
 
 
 @pytest.mark.usefixtures("isolated_tmux")
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_the_cli_prints_brackets_as_written(tmp_path, dflashctl):
     import yaml
 

@@ -34,6 +34,7 @@ def files_holding(root: Path, needle: bytes) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_secret_env_value_reaches_the_run_and_no_file_or_plan(tmp_path, dflashctl):
     """launch --follow through the installed script with HF_TOKEN marked secret and set in the workstation's
     environment: the command sees it; after the run no file under the state dir or the workdir holds it (the

@@ -29,6 +29,7 @@ def _config(out: Path, layout: dict | None = None) -> dict:
     return cfg
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_two_drafters_with_two_batches_each_match_one_process_accumulating_four(tmp_path, env, reference_memo):
     ref = reference(_config(tmp_path / "ref"), env, reference_memo, batches_per_step=PER_STEP)
     proc = launch(["--config", str(write(tmp_path / "split.json", _config(tmp_path / "split", SPLIT)))], env)

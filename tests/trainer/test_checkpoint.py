@@ -200,6 +200,7 @@ def _kill_at_the_swap(root, step: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], capture_output=True)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_same_step_resave_killed_in_the_middle_keeps_the_step(tmp_path, capsys):
     """A resumed run saving a step it had saved already, SIGKILLed between moving the old folder aside and moving
     the new one in (keep 1: no older checkpoint to fall back to): the step is still resumed, the old copy put

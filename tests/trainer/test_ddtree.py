@@ -169,6 +169,7 @@ def chain(trained, qwen3_target):
     return acceptance_length(drafter, qwen3_target, prompts + others, 40)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_tree_decoding_is_lossless(trained, tree_decoded):
     _, prompts, others, greedy = trained
     for ps, ref in ((prompts, greedy[:6]), (others, greedy[6:])):
@@ -177,6 +178,7 @@ def test_tree_decoding_is_lossless(trained, tree_decoded):
             assert rep.outputs == ref, budget
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_top1_budget_equals_chain_decoding(trained, chain, qwen3_target):
     drafter, prompts, others, _ = trained
     top1 = acceptance_length(drafter, qwen3_target, prompts + others, 40, budget=BS - 1, top_k=1)

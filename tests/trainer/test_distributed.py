@@ -177,6 +177,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_feature_messages_arrive_in_order_over_gloo():
     port = _free_port()
     procs = []
@@ -248,6 +249,7 @@ def _send_store(src: Path, root: Path) -> list[str]:
     return outs
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_token_store_crosses_to_another_node_as_hash_checked_files(tmp_path):
     """Across nodes the store travels as its files in blocks, point-to-point (no pickle), and the receiver keeps
     it only if every file hashes to the sender's manifest; a corrupt file on the sender is refused by name and

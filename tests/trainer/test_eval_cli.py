@@ -38,6 +38,7 @@ def _eval(*args, timeout=600):
     )
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_eval_prints_tau_per_mode_and_writes_the_report(assets, tmp_path):
     tiny, export = assets
     out = tmp_path / "report.json"
@@ -59,6 +60,7 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error: ")]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_eval_names_bad_input_through_the_module_entry(assets, tmp_path):
     """What the user runs, `python -m trainer eval`: exit 2, one `error:` line, no traceback."""
     tiny, export = assets

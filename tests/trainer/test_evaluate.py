@@ -102,6 +102,7 @@ def test_random_drafter_tau_is_about_one(qwen3_target):
     assert sum(report.histogram) == sum(report.rounds)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_training_on_target_outputs_raises_tau(qwen3_target):
     """The objective and the inference loop agree: fitting the target's own continuations lifts τ.
 
@@ -149,6 +150,7 @@ def test_bad_arguments_are_named(qwen3_target):
         acceptance_length(drafter, qwen3_target, [[1, 2], []])
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_periodic_eval_measures_the_shipped_bf16_artifact(qwen3_target, tmp_path):
     """periodic_eval runs the exported remote code on the weights cast to the export dtype: the very numbers
     `load_export` of the bf16 file gives, for the chain and every budget and temperature."""

@@ -93,6 +93,7 @@ def test_a_bad_precision_names_the_key_the_choices_and_the_file(tmp_path):
     assert "bf16-true (" in msg and "auto (" in msg and "Value error" not in msg
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_model_dtype_is_refused_with_the_precision_that_replaces_it(tmp_path):
     """The trainer CLI prints it and exits 2, so an old experiment never trains in a precision it did not ask for."""
     path = tmp_path / "exp.json"
@@ -123,6 +124,7 @@ def test_the_setting_reaches_parameters_adamw_state_and_the_checkpoint(precision
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_bf16_mixed_tracks_fp32_closely_and_bf16_true_less_so(tiny_cache, tmp_path):
     """60 steps from the same seed, data and anchors. Measured on this config: mean |loss - fp32 loss| over
     the steps 5.2e-4 for bf16-mixed, 3.7e-3 for bf16-true (7x). bf16-mixed running as fp32 would give 0;
@@ -141,6 +143,7 @@ def test_bf16_mixed_tracks_fp32_closely_and_bf16_true_less_so(tiny_cache, tmp_pa
 
 # ----------------------------------------------------------------------------------------------- resume
 @pytest.mark.parametrize("first, then", [("bf16-true", "bf16-mixed"), ("fp32", "bf16-true")])
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_checkpoint_resumes_under_another_precision(first, then, tiny_cache, tmp_path):
     """The resumed run holds the checkpoint's weights and AdamW state in its own master dtype: exactly
     (bf16 -> float32) or rounded (float32 -> bf16), and says so. max_steps = the checkpoint's step: the

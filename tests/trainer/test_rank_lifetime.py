@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 from tests.trainer.test_trainer_launch import REPO, SPLIT, env, small_config, write  # noqa: F401
 from orchestrator.agent import runprocs
@@ -20,6 +22,7 @@ def _gone(pid: int) -> bool:
     return runprocs.describe_pid(pid) is None  # a zombie waiting for its reaper counts as gone
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_sigkill_of_the_launcher_kills_every_rank_at_once(tmp_path, env):
     """SIGKILL of the elastic agent under a real 1 target + 2 drafter run: every rank is gone within 5 s, and
     no rank writes a checkpoint or the export afterwards."""
@@ -49,6 +52,7 @@ def test_sigkill_of_the_launcher_kills_every_rank_at_once(tmp_path, env):
     assert again == saved and not (run_dir / "export").exists()
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_rank_whose_launcher_died_before_it_armed_the_signal_ends_itself(tmp_path):
     """The race the getppid check closes: a rank started by a launcher that is no longer its parent (here: it
     names a pid that is not) ends at once instead of training unwatched."""

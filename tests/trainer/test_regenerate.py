@@ -139,6 +139,7 @@ def test_the_dataset_holds_every_conversation_regenerated_with_counts(reference,
     assert m["response_tokens"] == sum(r["response_tokens"] for r in m["shards"]) > 0
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_kill_9_mid_run_redoes_at_most_the_shard_in_flight_and_ends_byte_identical(tmp_path, target_dir, convs_file,
                                                                                      reference):
     """kill -9 of the stage after its first finished shard: its engine worker dies with it; the relaunch keeps
@@ -264,6 +265,7 @@ def _start_and_wait_worker(proc) -> int:
     raise AssertionError(f"the stage ended before its worker was ready: {proc.stderr.read()}")
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_an_engine_that_dies_or_hangs_stops_the_stage_naming_it(tmp_path, target_dir):
     """A worker killed mid-run: the stage exits non-zero with one line naming the engine worker and how it
     died; a stopped (hung) worker: the watchdog's error after regenerate_timeout_s. Finished shards stay."""
@@ -323,6 +325,7 @@ def failing_server():
         s.shutdown()
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_an_endpoint_that_answers_errors_stops_with_its_url(tmp_path, target_dir, convs_file, failing_server):
     """openai engine: 500s are retried with backoff for regenerate_timeout_s, then one error naming the URL
     and the fix; a 4xx is not retried (a wrong model name does not heal)."""
@@ -421,6 +424,7 @@ def _agreement(a: Path, b: Path, tokenizer) -> tuple[int, int]:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)  # an engine's first start compiles for minutes on a busy 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_vllm_and_hf_engines_regenerate_the_same_texts(vllm_dataset, reference, hf_engine, target_dir, convs_file):
     """fp32: the vllm engine's turns equal the hf engine's token for token (reported, bounded at 98 %); the
     trainer's venv without vLLM finds the vllm dataset by its key inputs (any vLLM version)."""
@@ -475,6 +479,7 @@ def vllm_server(tmp_path_factory, target_dir):
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)  # an engine's first start compiles for minutes on a busy 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_openai_engine_against_a_real_vllm_server(tmp_path, vllm_server, reference, hf_engine, target_dir, convs_file):
     """The openai engine regenerates the dataset through a real server (bounded requests in flight); its turns
     agree with the hf engine's (fp32; reported, bounded at 98 %)."""
@@ -489,6 +494,7 @@ def test_openai_engine_against_a_real_vllm_server(tmp_path, vllm_server, referen
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a mount namespace")
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_stage_without_shared_memory_names_it_and_its_printed_mount_lets_the_stage_run(tmp_path, target_dir):
     """A container without a writable /dev/shm (no systemd mounted one): the stage's worker queues cannot be
     made; the one error line says why and ends with the mount that fixes it, which, pasted where the stage runs

@@ -167,6 +167,7 @@ def test_same_inputs_reuse_the_store_and_any_changed_input_makes_a_new_one(tmp_p
     assert len(other_file) == len(first) + 1
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_truncated_or_corrupt_store_file_is_a_clear_error_naming_it_and_the_fix(tmp_path, tok):
     f = write_conversations(tmp_path / "a.jsonl", 40)
     root = tmp_path / "ds"
@@ -224,6 +225,7 @@ print("built")
 """
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_build_killed_half_way_leaves_nothing_that_is_used(tmp_path, tok):
     f = write_conversations(tmp_path / "a.jsonl", 1500)
     root = tmp_path / "ds"
@@ -277,6 +279,7 @@ print(json.dumps({"growth": (rss() - base).tolist(), "steps": len(steps)}))
 """
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_ranks_memory_does_not_grow_with_the_store_as_the_list_paths_does(tmp_path, tok):
     """Each of 8 rank processes: RSS growth per dataset token after opening, planning and building 30 steps
     (measured from after torch's start-up), in the same run for both paths. The store's private growth stays

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 BUILD = """
@@ -19,6 +21,7 @@ print("has config.json:", (a.target_dir / "config.json").is_file(), flush=True)
 """
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_concurrent_builders_build_once_and_all_see_it_complete(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(tmp_path / "cache")], env=env, text=True,
@@ -42,6 +45,7 @@ dist.barrier()
 """
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_process_of_rank_above_0_writes_its_tiny_target_too(tmp_path):
     # transformers' save_pretrained writes nothing on a global rank > 0 once torch.distributed is up: the
     # drafter ranks of node 1 (ranks 1, 2) would find a target directory without config.json.

@@ -108,6 +108,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs}
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_sigkill_then_resume_continues_the_same_loss_curve(tmp_path, env):
     ref = tmp_path / "ref"
     p = _start(ref, env)

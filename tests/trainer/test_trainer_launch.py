@@ -93,6 +93,7 @@ def reference(cfg: dict, env: dict, memo: dict | None = None, batches_per_step: 
 SPLIT = {"num_target_procs": 1, "num_drafter_procs": 2}
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_one_target_two_drafters_match_the_single_process_run(tmp_path, env, reference_memo):
     ref = reference(small_config(tmp_path / "ref"), env, reference_memo)
     cfg_path = write(tmp_path / "split.json", small_config(tmp_path / "split", SPLIT))
@@ -150,6 +151,7 @@ def _as_if_killed_after(run_dir: Path, step: int) -> None:
 
 
 @pytest.mark.parametrize("first, second", [("colocated", "split"), ("split", "colocated")])
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_checkpoint_resumes_under_the_other_layout_with_the_reference_loss(tmp_path, env, reference_memo, first, second):
     # Two batches per step in every layout: the colocated process accumulates both, two drafters one each.
     layouts = {"colocated": {}, "split": SPLIT}
@@ -177,6 +179,7 @@ def test_a_checkpoint_resumes_under_the_other_layout_with_the_reference_loss(tmp
         assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_checkpoint_of_another_batch_count_is_refused_with_the_setting_to_use(tmp_path, env):
     cfg = small_config(tmp_path / "run", max_steps=2, save_every=1)
     proc = launch(["--config", str(write(tmp_path / "a.json", cfg))], env)
@@ -189,6 +192,7 @@ def test_a_checkpoint_of_another_batch_count_is_refused_with_the_setting_to_use(
     assert "set data.batches_per_step: 1" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_rank_that_raises_is_the_root_cause_with_its_error_file_traceback(tmp_path, env):
     # flex_attention has no CPU backward: both drafter ranks raise in their first step while the target rank
     # waits to send; the target then fails only because its peers are gone (PeerLostError), or is stopped.
@@ -336,6 +340,7 @@ def test_launch_config_one_agent_per_node_with_the_layouts_ranks(tmp_path):
     assert launch_config(two, two.layout.to_layout(), tmp_path / "r-2", node_of(two, 0)).rdzv_configs["is_host"] is True
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_resume_without_a_checkpoint_is_refused(tmp_path, env):
     (tmp_path / "empty").mkdir()
     cfg_path = write(tmp_path / "c.json", small_config(tmp_path / "empty", SPLIT))
@@ -344,6 +349,7 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path, env):
     assert "nothing to resume in" in proc.stderr and "launch without --resume" in proc.stderr
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_stopping_the_launcher_stops_every_rank(tmp_path, env):
     proc = _start(write(tmp_path / "c.json", small_config(tmp_path / "run", SPLIT, max_steps=40, epochs=12)), env)
     lines: list[str] = []
@@ -360,6 +366,7 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path, env):
     assert not (tmp_path / "run" / "root_cause.json").exists()
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_rank_shows_no_progress_bar_even_when_its_environment_asks_for_one():
     """A rank's log lines stay whole: the rank turns transformers' and the hub's bars off itself, so a weight load
     prints nothing even in an environment that enables the bars."""

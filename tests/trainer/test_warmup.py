@@ -75,6 +75,7 @@ def test_training_shapes_are_the_padded_step_shape():
     assert training_shapes(cfg) == [Shape(rows=4, row_len=64, num_anchors=8)]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_configure_compile_points_inductor_at_the_cache_dir(tmp_path):
     import torch._dynamo
 

@@ -145,6 +145,7 @@ def test_children_deaf_to_int_and_term_are_killed_and_the_kill_is_reported(local
     assert result["state"] == "stopped" and result["exit"]["exit_code"] == 130  # the leader's own end, on SIGINT
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_sigterm_grace_is_waited_for(local_target):
     """A run that finishes 0.5 s after SIGTERM is given its grace: it is not SIGKILLed."""
     res = launch(local_target, spec("slowterm", SLOW_TERM))
@@ -163,6 +164,7 @@ SLOW_LOG = [sys.executable, "-c", "import signal, subprocess, time\nsignal.signa
             "print('ready', flush=True)\ntime.sleep(600)\n"]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_after_sigkill_the_stop_waits_for_exit_json(local_target):
     """After SIGKILL the wrapper may take seconds to finish the log (tee drains it) and write exit.json; the
     stop waits for it, so its answer has the run's end."""
@@ -174,6 +176,7 @@ def test_after_sigkill_the_stop_waits_for_exit_json(local_target):
     assert result["state"] == "stopped"
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_stop_before_the_pid_file_signals_the_pane(local_target):
     """A run whose wrapper has not written its pid file yet (here: never will) is stopped through the group of
     its tmux pane."""
@@ -218,6 +221,7 @@ FREEZER = Path("/sys/fs/cgroup/freezer")
 
 @pytest.mark.skipif(not (FREEZER / "cgroup.procs").exists() or os.geteuid() != 0,
                     reason="needs root and cgroup v1's freezer (a frozen task does not die of SIGKILL until thawed)")
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_process_that_outlives_sigkill_fails_the_stop_naming_it(local_target, monkeypatch):
     """A process SIGKILL cannot end (frozen by the cgroup v1 freezer, as a task in uninterruptible I/O would
     be): the stop fails naming its pid and command line, after saying it sent SIGKILL."""
@@ -311,6 +315,7 @@ def test_stop_json_says_who_and_through_which_verb_with_defaults_for_what_was_no
         "by": "unknown", "via": "dflashctl stop"}
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_run_that_ended_with_a_child_left_is_stopped_not_already_ended(local_target):
     """exit.json is there (the leader exited 0) but a background child of it lives on in its group, deaf to
     SIGINT (a non-interactive shell's background job): the stop signals it, and does not call the run ended."""
@@ -365,6 +370,7 @@ def test_a_gone_run_and_an_unknown_one_are_answered_as_stop_events_and_with_the_
 SLOWER_LOG = SLOW_LOG[:2] + [SLOW_LOG[2].replace("'sleep', '3'", "'sleep', '6'")]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_after_sigkill_the_stop_waits_for_exit_json_while_the_wrapper_lives(local_target):
     assert "'sleep', '6'" in SLOWER_LOG[2]
     res = launch(local_target, spec("slower", SLOWER_LOG))
@@ -376,6 +382,7 @@ def test_after_sigkill_the_stop_waits_for_exit_json_while_the_wrapper_lives(loca
 
 @pytest.mark.skipif(not (FREEZER / "cgroup.procs").exists() or os.geteuid() != 0,
                     reason="needs root and cgroup v1's freezer (a frozen task does not die of SIGKILL until thawed)")
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_failed_stop_gives_the_ps_command_for_its_pids_and_the_signals_it_sent(local_target, monkeypatch):
     monkeypatch.setattr(stopping, "_AFTER_KILL_S", 1.0)
     two = [sys.executable, "-c", "import signal, subprocess, sys, time\nsignal.signal(2, signal.SIG_IGN)\n"

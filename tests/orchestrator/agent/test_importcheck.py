@@ -182,6 +182,7 @@ def _site_with(tmp_path: Path, monkeypatch, wheels: dict[str, str]) -> tuple[Pat
     return record, keys
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_wheel_whose_import_failed_is_not_recorded_and_is_imported_again(tmp_path, monkeypatch):
     """A venv whose wheel does not import is refused, and the record does not take that wheel as verified:
     the next rebuild imports it again (and is refused again), never skips it into a broken venv."""
@@ -202,6 +203,7 @@ def test_a_wheel_whose_import_failed_is_not_recorded_and_is_imported_again(tmp_p
     assert importcheck.load_record(record) == before  # a refused venv adds nothing
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_wheel_verified_under_another_patch_version_of_python_is_imported_again(tmp_path, monkeypatch):
     """The record says ic-okwheel was verified by Python X.Y.(Z-1) (its key computed as that interpreter computes
     it); this interpreter is X.Y.Z: the wheel is imported again, then recorded for this one and skipped next

@@ -30,6 +30,7 @@ def spec(argv):
                       venv_profile={"kind": "workstation"})
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_launch_is_refused_while_a_process_of_an_earlier_run_lives(local_target):
     first = launch(local_target, spec(LEAVES_A_DAEMON))
     run_dir = Path(first.run_dir)

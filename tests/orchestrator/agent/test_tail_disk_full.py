@@ -16,6 +16,7 @@ from orchestrator.ops.launch import launch_experiment
 from orchestrator.target import open_target
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_command_run_that_fills_its_disk_is_named_full_in_the_follows_answer(tmp_path, monkeypatch):
     mnt = tmp_path / "small"
     mnt.mkdir()

@@ -78,6 +78,7 @@ def test_the_system_profile_without_python3_says_how_to_install_it(tmp_path, mon
         "no python3 on PATH in the target (install it: apt-get install -y python3)"]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_verify_refuses_a_venv_that_lacks_what_the_bundle_imports_and_writes_no_fingerprint(tmp_path):
     # The rebuild script's last step, as it runs it: the NEW venv's interpreter with the bundle importable.
     # This venv has nothing installed, so the modules the container-side code imports (torch, ...) are
@@ -115,6 +116,7 @@ class _Events:
         self.seen.append((kind, fields))
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_verify_record_progress_result_and_the_recorded_torch(tmp_path, monkeypatch):
     """Two wheels not verified before (every other distribution is, torch with its build in the record): verify
     imports exactly those two, one progress event each (counted i of n), skips the rest by name, reports torch's
@@ -151,6 +153,7 @@ def test_verify_record_progress_result_and_the_recorded_torch(tmp_path, monkeypa
     assert after[keys["torch"]] == importcheck.load_record(record)[keys["torch"]] and after[keys["torch"]]["torch"] == "9.9.9+test"
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_verify_record_never_skips_nor_records_the_bundle_and_leaves_out_skipped_modules(tmp_path, monkeypatch):
     """The bundle's own distribution is imported by every verify (last: what it imports is checked first, here
     after a wheel whose name sorts after the bundle's), even when its key is in the record, and never added to it
@@ -176,6 +179,7 @@ def test_verify_record_never_skips_nor_records_the_bundle_and_leaves_out_skipped
     assert [f["module"] for _, f in out.seen] == [m for m in imported if m != "ic_afterbundle"]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_verify_record_imports_torch_when_not_recorded_and_records_its_build(tmp_path, monkeypatch):
     """torch not verified before: verify imports it (first of all), reports the version, CUDA build and GPU count
     the worker read, and records torch's key with its version and CUDA build (what a later verify that skips

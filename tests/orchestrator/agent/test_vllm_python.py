@@ -87,6 +87,7 @@ def test_the_printed_fix_pasted_into_bash_builds_the_venv_and_the_launch_then_pa
     assert ok.returncode == 0, ok.stderr
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_vllm_judged_run_whose_vllm_venv_was_built_from_another_lock_is_refused(tmp_path, dflashctl):
     """A run with no data stage, judged in vLLM after training: its vLLM venv (the data venv) is held to its lock
     as a data stage's is. One built from another lock (its fingerprint says so) is refused before anything

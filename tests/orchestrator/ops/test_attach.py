@@ -124,6 +124,7 @@ def attach_on_a_pty(argv: list[str], ct, session: str, env: dict) -> None:
         reader.join(10)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_attach_reaches_the_session_inside_a_container_from_the_cli_and_as_pasted(pve, tmp_path):
     ct = pve.create_container(341, gpus=0)
     try:

@@ -136,6 +136,7 @@ def test_the_sequencer_trains_only_after_a_stage_that_succeeded(tmp_path):
 
 
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_launch_regenerates_then_trains_in_one_session_and_a_relaunch_regenerates_nothing(
         tmp_path, local_target, tiny_cache, monkeypatch):
     """hf engine, in the training venv: the run's log holds the stage's progress lines, then the training
@@ -171,6 +172,7 @@ def test_launch_regenerates_then_trains_in_one_session_and_a_relaunch_regenerate
 
 
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_data_only_runs_the_stage_alone_and_a_killed_stage_loses_at_most_the_shards_in_flight(
         tmp_path, local_target, tiny_cache, monkeypatch):
     """`launch --data-only`: the session runs the stage and nothing else. kill -9 of the stage in the middle
@@ -238,6 +240,7 @@ SHARED_CACHE = os.environ.get("DFLASHCTL_TEST_UV_CACHE", "/var/tmp/dflashctl-tes
 
 
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_missing_data_venv_is_refused_with_a_fix_that_builds_it_as_printed(tmp_path, dflashctl, monkeypatch):
     """An experiment whose data stage runs in a venv profile of its own (here the cpu lock: the hf engine needs
     no vLLM) is refused before anything starts while that venv is missing; the printed rebuild-venv command,
@@ -287,6 +290,7 @@ def _tiny_model(out: Path) -> Path:
 
 
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_container_launch_regenerates_trains_and_exports_in_one_session_and_logs_follow_shows_progress(
         fake_pve, stock_cpu_venv, dflashctl, tmp_path):
     """On the fake Proxmox host (real sshd, pct stand-in, a stock Debian container with the cpu lock's venv):
@@ -356,6 +360,7 @@ def test_metrics_plots_the_stages_progress_when_the_run_has_it(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_launch_regenerates_with_vllm_in_the_data_venv_then_trains_in_the_training_venv(
         tmp_path, local_target, monkeypatch):
     """data_venv vllm: the stage runs in the data venv's interpreter with vLLM's engine (fp32, a target of
@@ -447,6 +452,7 @@ def _shards(dataset: Path) -> dict[str, bytes]:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(2400)  # three vLLM engine starts and two trainings on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_container_launch_regenerates_with_vllm_and_a_kill_9_mid_stage_loses_at_most_the_shard_in_flight(
         fake_pve, dflashctl, tmp_path):
     """The issue's "done": on the fake Proxmox host (real sshd, pct stand-in, a real LXC container), the installed
@@ -546,6 +552,7 @@ def test_container_launch_regenerates_with_vllm_and_a_kill_9_mid_stage_loses_at_
 
 
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_runs_diff_shows_the_dataset_key_and_the_input_that_changed_it(tmp_path, dflashctl, tiny_cache):
     """The installed `dflashctl runs diff A B` of two `--data-only` runs whose configs are identical but whose
     input file's content changed in between: no config difference, a dataset one (the key, and `inputs`, the
@@ -612,6 +619,7 @@ def _records(dataset: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_dflashctl_stop_and_pct_stop_mid_regeneration_lose_at_most_the_shards_in_flight(fake_pve, dflashctl, tmp_path):
     """On the fake Proxmox host, the installed CLI, hf engine, `--data-only` (the stage alone: nothing here is
     about training): `dflashctl stop` of the first launch after its first finished shard, then `pct stop` of
@@ -694,6 +702,7 @@ def test_dflashctl_stop_and_pct_stop_mid_regeneration_lose_at_most_the_shards_in
 
 
 @pytest.mark.timeout(1800)  # real runs on a shared 2-core machine
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_resume_of_a_run_killed_in_its_data_stage_regenerates_the_rest_and_trains_from_step_0(
         tmp_path, local_target, tiny_cache, monkeypatch):
     """`launch --resume RUN` of a run whose stage was killed -9 before any checkpoint (the trainer never

@@ -91,6 +91,7 @@ def test_disjoint_gpus_launch_side_by_side_and_the_same_experiment_waits_for_its
                                   "3": (b.run_id, "run")}
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_overlapping_gpus_wait_for_the_preflight_then_are_refused_naming_gpu_and_run(local_target, smi):
     from orchestrator.ops.stop import stop
 
@@ -189,6 +190,7 @@ def test_dry_run_names_a_claimed_gpu_without_claiming_or_waiting(local_target, s
 # ------------------------------------------------------------------------------------- fake Proxmox host
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_container_claims_disjoint_side_by_side_overlap_refused_same_experiment_locked(fake_pve):
     ct = make_ct(fake_pve, 306)
     smi = ct.dir / "sbin"  # the container's /usr/local/sbin: the stand-in and its GPUs

@@ -160,6 +160,7 @@ def test_the_cpu_lock_holds_the_real_hash_of_the_local_torch_wheel():
     assert f"--hash=sha256:{digest}" in block
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_the_lock_verb_through_the_installed_cli(dflashctl, tmp_path, wheelhouse):
     """`dflashctl lock PROFILE` as a user runs it, offline (a local wheel directory and an empty index). The
     verb writes next to the package's shipped locks, so it runs on a copy of the source tree (first on

@@ -128,6 +128,7 @@ class AgentKiller(threading.Thread):
                     pass
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_follow_survives_killed_agents_without_loss_or_repeat(tmp_path):
     n = 30_000
     start_run(tmp_path, "r-cut", "cut", writer_argv(n, batch=150, pause=0.01))
@@ -300,6 +301,7 @@ def test_regression_against_the_baseline_from_the_stream():
     assert kinds == ["regression"]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_hang_alert_reaches_the_follower(tmp_path):
     start_run(tmp_path, "r-hang", "hang", writer_argv(3, pause=4))
 
@@ -500,6 +502,7 @@ def sshd_children(main_pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_fake_pve_follow_survives_twenty_cut_connections(fake_pve, tmp_path):
     from orchestrator.target import ContainerTarget
 

@@ -91,6 +91,7 @@ class _Follow:
         return code
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_hang_alert_states_hang_seconds_in_both_follows(tmp_path, dflashctl):
     inv = _inventory(tmp_path)
     import os
@@ -153,6 +154,7 @@ def test_crash_diagnosis_is_printed_identically_by_both_follows(tmp_path, dflash
         == logs.stdout.splitlines()
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_the_follow_hint_launch_prints_works_when_the_runs_target_is_not_listed_first(tmp_path, dflashctl):
     """`logs RUN` finds the run where its record says it runs, not on the inventory's first target: the
     `follow:` line `launch` prints works as pasted whichever target comes first."""
@@ -181,6 +183,7 @@ def test_the_follow_hint_launch_prints_works_when_the_runs_target_is_not_listed_
 GAP = 150  # more lines than the default --tail of 100
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_new_follow_resumes_after_the_last_line_the_killed_one_printed(tmp_path, dflashctl):
     """A follow killed (SIGKILL: no clean-up runs), lines written meanwhile, a new `logs RUN --follow`: it prints
     exactly the lines the first never printed, none twice and none skipped, however many; `--tail N` still

@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -112,6 +114,7 @@ def expected_lines(content: bytes) -> list[str]:
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(content=log_bytes(), cuts=st.lists(CUT, max_size=5))
 @example(content=b"".join(b"line %07d\n" % i for i in range(60_000)), cuts=[400_000, 1, 0, 300_000, 200])
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_random_cuts_give_the_exact_stream_and_no_byte_is_sent_twice(tmp_path_factory, content, cuts):
     workdir = tmp_path_factory.mktemp("follow")
     run = workdir / "runs" / "prop-20260101T000000Z"

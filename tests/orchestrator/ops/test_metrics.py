@@ -63,6 +63,7 @@ def test_terminal_and_png(tmp_path):
         write_png(series_from_rows("empty", []), str(tmp_path / "e.png"))
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_cli_metrics_draws_and_writes_png(dflashctl, tmp_path):
     """`dflashctl metrics` through the installed console script (its only CLI test): the terminal plot, the PNG,
     and exit 4 for a run that does not exist."""

@@ -71,6 +71,7 @@ def make_ct(fake_pve, ctid: int, venv: Path):
     return ct
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_container_warmup_is_one_pct_exec_one_process_per_drafter_gpu_in_order(pve, stock_cpu_venv):
     ct = make_ct(pve, 311, stock_cpu_venv[0])
     try:
@@ -136,6 +137,7 @@ def test_local_cpu_warmup_compiles_then_loads_from_the_workdir_cache(cold_warmup
     assert "CPU: warm in" in next(e.message for e in cold_ev if "warm in" in e.message)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_the_warmup_verb_through_the_installed_cli(dflashctl, tmp_path):
     """`dflashctl warmup EXPERIMENT` as a user runs it, on the local target (a CPU layout: one warm-up on the
     CPU): the table, the JSON, and a command experiment refused before the target is contacted."""

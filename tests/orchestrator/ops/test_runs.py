@@ -53,6 +53,7 @@ def cli(*args: str, inv: Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_cli_launch_status_runs_diff_stop(tmp_path):
     work = tmp_path / "work"
     inv = tmp_path / "inventory.yaml"

@@ -71,6 +71,7 @@ def test_run_alive_from_its_own_session_or_its_pid_file(tmp_path):
     assert alive(ref, []) is False
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_status_shows_last_tokens_per_s_and_a_growing_duration(tmp_path, local_target):
     t = local_target
     res = launch(t, spec("met", METRICS))
@@ -83,6 +84,7 @@ def test_status_shows_last_tokens_per_s_and_a_growing_duration(tmp_path, local_t
     assert [s["run_id"] for s in status(t).sessions] == [res.run_id]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_killed_wrapper_without_exit_json_is_crashed(tmp_path, local_target):
     t = local_target
     res = launch(t, spec("kil", STUBBORN))
@@ -96,6 +98,7 @@ def test_killed_wrapper_without_exit_json_is_crashed(tmp_path, local_target):
     assert run["state"] == "crashed" and not (Path(res.run_dir) / "exit.json").exists()
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_pct_stop_kills_the_session_and_status_says_so(fake_pve):
     from fakehost import STOCK_TMUX
 
@@ -121,6 +124,7 @@ def test_pct_stop_kills_the_session_and_status_says_so(fake_pve):
         fake_pve.remove_container(311)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_cli_status_prints_the_newest_runs_balance_as_metrics_does(dflashctl, tmp_path):
     """`dflashctl status` shows the target/drafter balance advice of the newest run under its runs table: the
     very lines `dflashctl metrics` prints (one rule, orchestrator.ops.runnotes.balance_notes), and --json holds

@@ -63,6 +63,7 @@ def _runs(tmp_path: Path) -> list[Path]:
     return sorted((p for p in (tmp_path / "work" / "runs").iterdir()), key=lambda p: p.stat().st_mtime)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_stop_escalates_to_sigkill_for_a_run_that_ignores_int_and_term(tmp_path, local_target):
     t = local_target
     res = launch(t, LaunchSpec(experiment="stub", kind="command", target="local", command=STUBBORN,
@@ -84,6 +85,7 @@ def test_stop_unknown_run(tmp_path, local_target):
         stop(local_target, "nope-1")
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_stop_is_recorded_and_shown_as_stopped_by_whom_and_when(tmp_path, dflashctl, dflashctl_main):
     inv = ["--inventory", str(_inventory(tmp_path))]
     assert dflashctl(*inv, "launch", "sleeper").returncode == 0
@@ -115,6 +117,7 @@ def test_stop_is_recorded_and_shown_as_stopped_by_whom_and_when(tmp_path, dflash
     assert js[-1]["state"] == "stopped" and js[-1]["exit_code"] == 5
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_replace_records_the_old_run_as_stopped_by_the_launch(tmp_path, dflashctl, dflashctl_main):
     inv = ["--inventory", str(_inventory(tmp_path))]
     assert dflashctl(*inv, "launch", "sleeper").returncode == 0
@@ -166,6 +169,7 @@ def test_the_wrapper_copies_stop_json_into_exit_json(tmp_path, stop_json, expect
     assert ex["stopped"] == expected and ex["exit_code"] == 130
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_stop_goes_where_the_record_says_and_without_a_record_where_the_user_says(tmp_path, dflashctl,
                                                                                  dflashctl_main):
     # orchestrator.ops.stop.stop_run: a recorded run is stopped on its recorded target (not the inventory's

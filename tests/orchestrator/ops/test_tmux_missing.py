@@ -13,6 +13,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_launch_on_a_container_without_tmux_is_one_error_whose_fix_works(fake_pve, tmp_path, dflashctl):
     from fakehost import STOCK
 

@@ -437,6 +437,7 @@ def test_offline_with_a_cold_cache_fails_readably(tmp_path):
         subprocess.run(["rm", "-rf", str(cold)])
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_local_target_uses_the_workstations_own_uv_even_off_path(tmp_path):
     # PATH without uv and a HOME without ~/.local/bin/uv: the binary of the installed `uv` package is used
     # (before: "uv is not installed", then a pip --user install that PEP 668 refuses).
@@ -629,6 +630,7 @@ def test_a_python_the_container_lacks_is_one_error_naming_both_versions(fake_pve
         fake_pve.remove_container(ct.ctid)
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_container_rebuild_refuses_a_torch_the_driver_cannot_run_before_downloading_it(pve, claim_cuda_venv, tmp_path,
                                                                                     monkeypatch):
     from fakehost import STOCK_TMUX

@@ -84,6 +84,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # over ~4 s on a loaded 2-core machine: out of the fast subset
 def test_a_timeout_kills_the_whole_process_group_and_keeps_the_output_so_far():
     # The command starts a grandchild and waits for it: killing only the direct child would leave the
     # grandchild running (a launch's helper, a stuck `uv`), holding the target's GPUs or files.
