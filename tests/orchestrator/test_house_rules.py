@@ -314,7 +314,7 @@ def test_no_function_over_80_lines():
 def test_the_rules_catch_what_they_name(rule, monkeypatch):
     """Each ast rule fails on a module that breaks it (so a passing rule means something)."""
     bad = {
-        "test_no_private_name_crosses_a_module": "from orchestrator.agent.runs import _x\n",
+        "test_no_private_name_crosses_a_module": "from orchestrator.agent.rundirs import _x\n",
         "test_ops_reach_a_target_only_through_target": "def f(t):\n    return t.transport.parent\n",
         "test_no_verb_imports_another_verb": "def f():\n    from orchestrator.ops.logs import follow\n",
     }[rule.__name__]
