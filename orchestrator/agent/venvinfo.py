@@ -11,10 +11,10 @@ Events go to stdout as JSON lines, in the agent protocol's shape.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
+from orchestrator.agent import atomic
 from orchestrator.agent.bundlescan import bundle_requirements, missing_modules, top_level_modules
 from orchestrator.agent.venvfingerprint import FINGERPRINT, build_fingerprint, normalize_name
 
@@ -112,12 +112,6 @@ def _skipped_torch_info(verified: dict, keys: dict[str, str]) -> dict:
     return {"torch": entry.get("torch"), "cuda": entry.get("cuda"), "device_count": None}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _main_verify(args: list[str]) -> int:
     import argparse
 
@@ -157,7 +151,7 @@ def _main_verify(args: list[str]) -> int:
                            freeze_file=Path(a.freeze) if a.freeze else None, torch_info=res, driver=driver_version(),
                            uv_version=a.uv_version)
     # One line: the rebuild script embeds it verbatim in its no-op and rollback results.
-    _write_atomic(venv / FINGERPRINT, json.dumps(fp, sort_keys=True, separators=(",", ":")) + "\n")
+    atomic.write_bytes(venv / FINGERPRINT, (json.dumps(fp, sort_keys=True, separators=(",", ":")) + "\n").encode())
     _Out.event("fingerprint", data=fp)
     return 0
 
