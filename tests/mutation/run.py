@@ -188,7 +188,8 @@ MODULES: dict[str, dict] = {
         # Not the RNG capture/restore (an exact round-trip test; a mistake fails it every time) nor the fsync
         # helpers (their loss shows only on a power cut).
         "functions": ["trainer.checkpoint.xǁCheckpointManagerǁ*"],
-        "tests": ["tests/trainer/test_checkpoint.py", "-k", "not metrics and not rewind"],
+        "tests": ["tests/trainer/test_checkpoint.py", "tests/trainer/test_checkpoint_mutants.py",
+                  "-k", "not metrics and not rewind"],
     },
     "sampling": {  # speculative sampling's acceptance, residual and the bonus token
         "files": ["trainer/sampling.py"],
