@@ -62,36 +62,15 @@ def test_rebuild_venv_brings_debians_tmux_to_a_networkless_container_and_tiny_th
     import re
     from fakehost import STOCK
 
-    from orchestrator.agent.venvinfo import STAMP
-    from orchestrator.bundle import build_bundle
+    from cpu_venv import link_shared_cpu_venv, tiny_inventory
 
     shared, _lock = stock_cpu_venv
     ct = fake_pve.create_container(337, gpus=2, image=STOCK)  # no network: loopback only
     try:
-        # The cpu lock's venv, built once per session, seen through links, with a stamp of today's bundle: the
-        # tree may have changed since the session's build, and this container cannot build anew (no network).
-        venv = Path(ct.workdir) / "venvs" / "cpu-shared"
-        venv.mkdir(parents=True)
-        for entry in shared.iterdir():
-            if entry.name != STAMP:
-                (venv / entry.name).symlink_to(entry)
-        lock_hash, _bundle, python = (shared / STAMP).read_text().split()
-        (venv / STAMP).write_text(f"{lock_hash} {build_bundle().hash} {python}\n")
-        (venv.parent / "current").symlink_to(venv.name)
-        ct.to_container(venv.parent)
+        link_shared_cpu_venv(ct, shared)
         assert ct.exec(["sh", "-c", "command -v tmux"]).returncode == 127
         assert ct.exec(["sh", "-c", "apt-get -q update 2>&1 | grep -q 'Temporary failure resolving'"]).returncode == 0
-        shipped = yaml.safe_load((REPO / "inventory.yaml").read_text())
-        tiny = {**shipped["experiments"]["tiny"], "target": "ct"}
-        tiny["trainer"].update(max_steps=20, save_every=10, log_every=5)
-        inv = tmp_path / "inv.yaml"
-        inv.write_text(yaml.safe_dump({
-            "hosts": {"pve": fake_pve.host_entry()},
-            "targets": {"ct": {"kind": "container", "host": "pve", "ctid": 337, "workdir": ct.workdir, "venv": "cpu"}},
-            "venvs": {"cpu": {**shipped["venvs"]["cpu"], "wheelhouse": ["/opt/wheels"],
-                              "uv_cache_dir": str(fake_pve.storage() / "uv-cache")}},
-            "experiments": {"tiny": tiny},
-        }))
+        inv = tiny_inventory(tmp_path / "inv.yaml", fake_pve, ct, max_steps=20, save_every=10, log_every=5)
         state = tmp_path / "state"
         env = {**os.environ, "DFLASHCTL_STATE_DIR": str(state), "DFLASHCTL_INVENTORY": str(inv)}
 
