@@ -90,7 +90,8 @@ MODULES: dict[str, dict] = {
         "functions": ["orchestrator.sigmatch.xǁMatcherǁ_traceback_line__*",
                       "orchestrator.sigmatch.xǁMatcherǁscan_chunk__*", "orchestrator.sigmatch.xǁMatcherǁ_segment__*",
                       "orchestrator.sigmatch.xǁMatcherǁ_line_event__*"],
-        "tests": ["tests/orchestrator/test_signatures.py", "tests/orchestrator/test_signatures_property.py"],
+        "tests": ["tests/orchestrator/test_signatures.py", "tests/orchestrator/test_signatures_property.py",
+                  "tests/orchestrator/test_sigmatch_scan.py"],
     },
     "launch lock": {
         "files": ["orchestrator/agent/launchlock.py"],
@@ -264,8 +265,11 @@ FLOORS = {
     # listed as equivalent); first runs were names 89.3, quoting 87.3, tailer 92.7, follow 97.0, signature
     # grouping 77.6, launch lock 91.3, GPU claims 92.9, loss 91.0, export 62.0, layout 79.9.
     "names": 98, "quoting": 98, "tailer (offsets)": 99, "follow (client offsets)": 98,
-    "signatures (matcher)": 99, "signatures (line scanning)": 78, "launch lock": 99, "gpu claims": 99,
+    "signatures (matcher)": 99, "signatures (line scanning)": 99, "launch lock": 99, "gpu claims": 99,
     "objective (loss)": 99, "objective (inputs)": 98, "export": 99, "layout": 99,
+    # Signatures (line scanning), 2026-12-02 (issue 23): 260 mutants, 78.5% at first (204 killed, 56 survived; 278 s);
+    # test_sigmatch_scan killed 42 (each checked by hand on its mutant; --again 32 s) and 14 are listed equivalent
+    # (scan_chunk feeding extra hitless lines, decode defaults, count ends, an unreachable guard): 246 killed, 100.0%.
     # 2026-12-02, first runs on a machine loaded far past its 2 cores (timeouts count as kills there): monitor
     # 73.6% (148 mutants, all run), the last good run 69.6% (79, all run); checkpoint 93.6% with 181 of 211 run (the 11 survivors then were killed
     # since by test_what_a_save_leaves_and_the_warnings_resume_prints, checked by hand); sampling 82.4% with 17
