@@ -28,6 +28,8 @@ from orchestrator.ops.launch import LaunchSpec, launch
 from orchestrator.signatures import UNCLASSIFIED
 from orchestrator.target import LocalTarget
 from orchestrator.transport.local import LocalTransport
+from tests.orchestrator.ops.test_follow_reconnect import kill_tail_agents
+from tests.orchestrator.ops.test_logs import RecordingTarget
 
 # ------------------------------------------------------------------------------------------------ pure parts
 
@@ -130,24 +132,6 @@ def test_a_show_without_follow_raises_the_execs_error_at_once(tmp_path):
     assert sleeps == []
 
 
-def kill_tail_agents(sig: int = signal.SIGKILL) -> list[int]:
-    """Send `sig` to this process's `orchestrator.agent tail` children (the exec serving the follow)."""
-    me, pids = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"orchestrator.agent\0tail" in cmd:
-            try:
-                os.kill(int(entry), sig)
-                pids.append(int(entry))
-            except ProcessLookupError:
-                pass
-    return pids
 
 
 class Silenced:
@@ -228,20 +212,6 @@ def test_the_default_heartbeat_timeout_is_five_heartbeats_and_ten_seconds(local_
     assert (seen["out"].state, seen["out"].reconnects) == ("succeeded", 1)
 
 
-class Recording:
-    """A real target that also keeps every request the follow sends its agent."""
-
-    def __init__(self, target):
-        self.target, self.requests = target, []
-
-    def agent(self, verb, request=None, **kw):
-        self.requests.append(dict(request or {}))
-        return self.target.agent(verb, request, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-
 def ended_run(workdir: Path, run_id: str, experiment: str, created: str, tps: list[float], lines: list[str]) -> Path:
     """A run that ended with exit 0: run.json, exit.json, its metrics and its log."""
     run = workdir / "runs" / run_id
@@ -259,7 +229,7 @@ def test_a_follow_asks_for_heartbeats_metrics_and_the_last_good_runs_baseline_by
     wd = Path(local_target.workdir)
     ended_run(wd, "exp-1", "exp", "2026-01-01T00:00:00Z", [10.0] * 8, ["one"])
     ended_run(wd, "exp-2", "exp", "2026-01-02T00:00:00Z", [9.0] * 8, ["two"])
-    target = Recording(local_target)
+    target = RecordingTarget(local_target)
     out = follow(target, "exp-2")
     assert (out.state, out.run_id, out.reconnects) == ("succeeded", "exp-2", 0)
     assert out.baseline == {"run_id": "exp-1", "tokens_per_s": 10.0, "samples": 5}

@@ -66,9 +66,9 @@ def spec(experiment: str, argv: list[str]) -> LaunchSpec:
                       venv_profile={"kind": "workstation"})
 
 
-def kill_tail_agents() -> int:
-    """SIGKILL this process's `orchestrator.agent tail` children (the exec serving the follow): a real cut."""
-    me, killed = os.getpid(), 0
+def kill_tail_agents(sig: int = signal.SIGKILL) -> list[int]:
+    """Send `sig` to this process's `orchestrator.agent tail` children (the exec serving the follow)."""
+    me, pids = os.getpid(), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -79,11 +79,11 @@ def kill_tail_agents() -> int:
             continue
         if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"orchestrator.agent\0tail" in cmd:
             try:
-                os.kill(int(entry), signal.SIGKILL)
-                killed += 1
+                os.kill(int(entry), sig)
+                pids.append(int(entry))
             except ProcessLookupError:
                 pass
-    return killed
+    return pids
 
 
 class Outages:
