@@ -193,6 +193,54 @@ def test_feature_messages_arrive_in_order_over_gloo():
             "schedules (layout or data.batches_per_step differ); launch every node from the same config") in outs[1]
 
 
+_HEADER_ONLY = r"""
+import os, sys, torch
+import torch.distributed as dist
+from trainer.distributed import init_world, read_rank_env
+from trainer.feature_wire import FeatureSpec, Header, PendingBatch, WireError
+from trainer.layout import Layout
+env = read_rank_env()
+world = init_world(Layout(num_target_procs=1, num_drafter_procs=1), env, float(sys.argv[1]))
+mine = FeatureSpec(2, 8, 6, torch.bfloat16, torch.device("cpu"))
+if env.rank == 0:
+    # A peer of another config (F = 8): its header goes out, and nothing else of the frame ever does.
+    header = Header.of(0, FeatureSpec(2, 8, 8, torch.bfloat16, torch.device("cpu"))).to_tensor()
+    dist.isend(header, dst=1, tag=0).wait()
+    done = torch.zeros(1)
+    dist.recv(done, src=1, tag=5)  # alive until the receiver has answered
+    print("sender released", flush=True)
+else:
+    try:
+        PendingBatch(0, mine, 0).wait()
+        print("received a batch", flush=True)
+    except WireError as exc:
+        print("refused:", exc, flush=True)
+    except Exception as exc:
+        print("failed:", type(exc).__name__, exc, flush=True)
+    dist.send(torch.ones(1), dst=0, tag=5)
+os._exit(0)  # the receives of the frame's other messages stay posted: no teardown of the group
+"""
+
+
+@pytest.mark.slow  # two processes over gloo
+def test_the_receiver_checks_the_header_before_waiting_for_the_rest_of_the_frame():
+    """The sender posts a header of another shape and never the ids, features or report: the receiver names
+    the mismatch from the header alone. A receiver that waited for the whole frame first would wait until the
+    group's timeout (20 s here) and fail there as a lost peer."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", _HEADER_ONLY, "20"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    refused = [ln for ln in outs[1].splitlines() if ln.startswith(("refused:", "failed:", "received"))]
+    assert len(refused) == 1 and refused[0].startswith("refused: rank 0 sends features [2, 8, 8] bfloat16"), outs
+    assert "sender released" in outs[0], outs
+
+
 def test_plan_steps_are_the_same_for_every_rank_and_batches_are_padded():
     from trainer.config import parse_config
     from trainer.data import DataError
