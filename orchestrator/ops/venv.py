@@ -11,360 +11,26 @@ What a container lacks travels in the same payload (orchestrator/ops/carry.py): 
 binary and the wheels of the profile's `wheelhouse`, each only while this workstation does not know the
 container holds it; when that belief is wrong, the script says what it needs and the one retry brings it.
 
-Why a wheel for the bundle: it joins the lock in one exact, hash-checked `uv pip sync`, shows up in
-`uv pip freeze` and the fingerprint as `dflashctl-bundle==0+b<hash>`, and its RECORD names the files, so
-the verifier finds its top-level modules like any other distribution's. (A zip on PYTHONPATH or a .pth
-would work too, but would be invisible to uv and to the fingerprint.)
+What is sent (the profile's fields, sync options, the bundle wheel, the tar, the argv) is `ops.venvpayload`;
+what comes back (the events, the report, a failure's class) is `ops.venvreport`; this module is the verb.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import hashlib
-import io
-import json
 import os
-import re
-import tarfile
 import time
-import zipfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 from orchestrator.agent import driver
 from orchestrator.agent.runcommand import data_venv_workdir
-from orchestrator.agent.venvfingerprint import FINGERPRINT, profile_kind
-from orchestrator.agent.venvinfo import BUNDLE_DIST, STAMP
-from orchestrator import assets
-from orchestrator.errors import AgentError, UserError
+from orchestrator.agent.venvfingerprint import profile_kind
+from orchestrator.errors import AgentError
 from orchestrator.ops import carry, debs
-from orchestrator.ops.carry import CarriedWheel, UvBinary
 from orchestrator.ops.lockfile import LockFile, resolve_lock
 from orchestrator.ops.tmuxfix import tmux_fix
-
-SCRIPT_NAME = "rebuild_venv.sh"
-# A python request reaches `uv venv --python` and the one-line stamp: a version or a name, no spaces.
-_PY_REQUEST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@/-]{0,63}$")
-_EPOCH = (2020, 1, 1, 0, 0, 0)
-
-EventCallback = Callable[[dict], None]
-
-
-def script_text() -> str:
-    """The rebuild script (constant text; every value is passed as an argument)."""
-    return assets.read_text(SCRIPT_NAME)
-
-
-# -------------------------------------------------------------------------------------------- profile
-
-
-@dataclass(frozen=True)
-class UvProfile:
-    """The fields of a `kind: uv` venv profile that rebuild-venv uses (see inventory.UvVenv)."""
-
-    lock: str = "cuda"
-    python: str = "3.11"
-    uv_cache_dir: str | None = None
-    find_links: tuple[str, ...] = ()
-    index_url: str | None = None
-    extra_index_urls: tuple[str, ...] = ()
-    keep: int = 3
-    wheelhouse: tuple[str, ...] = ()
-    """Workstation directories whose wheels of the lock travel to the target (see inventory.UvVenv)."""
-
-
-# Profiles that use an interpreter as it is: nothing to build.
-AS_IS_KINDS = ("workstation", "system")
-
-
-def as_profile(profile) -> UvProfile | None:
-    """A UvProfile from an inventory model or a dict; None for the `workstation` and `system` kinds.
-
-    Raises:
-        UserError: an unknown kind, a python request with spaces or shell characters, keep < 1.
-    """
-    kind = profile_kind(profile)  # the agent's one rule: no profile is the running interpreter
-    if kind in AS_IS_KINDS:
-        return None
-    data = profile.model_dump() if hasattr(profile, "model_dump") else dict(profile)
-    if kind != "uv":
-        raise UserError(f"venv profile kind {kind!r} cannot be rebuilt", fix="use kind: uv (or system / workstation)")
-    p = UvProfile(
-        lock=str(data.get("lock") or "cuda"),
-        python=str(data.get("python") or "3.11"),
-        uv_cache_dir=data.get("uv_cache_dir") or None,
-        find_links=tuple(data.get("find_links") or ()),
-        index_url=data.get("index_url") or None,
-        extra_index_urls=tuple(data.get("extra_index_urls") or ()),
-        keep=int(data.get("keep") or 3),
-        wheelhouse=tuple(data.get("wheelhouse") or ()),
-    )
-    if not _PY_REQUEST.match(p.python):
-        raise UserError(f"bad python request {p.python!r} in the venv profile", fix='use a version like "3.11"')
-    if p.keep < 1:
-        raise UserError(f"venv profile keep must be >= 1, got {p.keep}", fix="keep: 3")
-    return p
-
-
-def sync_options(profile: UvProfile, lock: LockFile) -> list[str]:
-    """`uv pip sync` options from the profile (pure; golden-tested).
-
-    A lock with hashes is installed in hash-checking mode, so a wheel that differs from the one locked
-    (another index, a tampered mirror) is refused instead of installed.
-    """
-    opts: list[str] = ["--require-hashes"] if lock.has_hashes else []
-    if profile.index_url:
-        opts += ["--index-url", profile.index_url]
-    for url in profile.extra_index_urls:
-        opts += ["--extra-index-url", url]
-    for link in profile.find_links:
-        opts += ["--find-links", link]
-    return opts
-
-
-# --------------------------------------------------------------------------------------------- bundle
-
-
-@dataclass(frozen=True)
-class Wheel:
-    name: str
-    data: bytes = field(repr=False)
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
-
-
-def _record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
-@lru_cache(maxsize=4)
-def bundle_wheel(bundle_hash: str, bundle_zip: bytes) -> Wheel:
-    """The bundle (orchestrator + trainer packages) as a pure-Python wheel `dflashctl-bundle==0+b<hash>`.
-
-    Deterministic: same bundle, same bytes (fixed timestamps, sorted entries).
-    """
-    version = f"0+b{bundle_hash}"
-    distinfo = f"dflashctl_bundle-{version}.dist-info"
-    files: list[tuple[str, bytes]] = []
-    with zipfile.ZipFile(io.BytesIO(bundle_zip)) as src:
-        for info in sorted(src.infolist(), key=lambda i: i.filename):
-            if not info.is_dir():
-                files.append((info.filename, src.read(info)))
-    tops = sorted({name.split("/")[0] for name, _ in files})
-    files += [
-        (f"{distinfo}/METADATA", f"Metadata-Version: 2.1\nName: {BUNDLE_DIST}\nVersion: {version}\n"
-         "Summary: dflashctl's orchestrator and trainer packages, as shipped to a target\n".encode()),
-        (f"{distinfo}/WHEEL", b"Wheel-Version: 1.0\nGenerator: dflashctl\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
-        (f"{distinfo}/top_level.txt", ("\n".join(tops) + "\n").encode()),
-    ]
-    record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files) + f"{distinfo}/RECORD,,\n"
-    files.append((f"{distinfo}/RECORD", record.encode()))
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in files:
-            info = zipfile.ZipInfo(name, _EPOCH)
-            info.external_attr = 0o644 << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            zf.writestr(info, data)
-    return Wheel(f"dflashctl_bundle-{version}-py3-none-any.whl", buf.getvalue())
-
-
-def payload(lock: LockFile, wheel: Wheel, wheels: list[CarriedWheel] = (), *, send_wheels: list[CarriedWheel] = (),
-            uv: UvBinary | None = None) -> bytes:
-    """The tar the script reads on stdin (deterministic): `lock.txt`, the bundle wheel, `wheels.sha256` (the
-    wheelhouse wheels the target must hold, sha256sum's format), then inline what the target lacks: `uv`
-    (the workstation's binary) and `wheels/<file>` for each of `send_wheels`."""
-    buf = io.BytesIO()
-    listing = "".join(f"{w.sha256}  {w.file}\n" for w in wheels).encode()
-
-    def add(tf, name: str, data: bytes | None = None, path: str | None = None, mode: int = 0o644) -> None:
-        info = tarfile.TarInfo(name)
-        info.size = len(data) if data is not None else os.stat(path).st_size
-        info.mode, info.mtime = mode, 0
-        if data is not None:
-            tf.addfile(info, io.BytesIO(data))
-        else:
-            with open(path, "rb") as fh:
-                tf.addfile(info, fh)
-
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        add(tf, "lock.txt", lock.data)
-        add(tf, wheel.name, wheel.data)
-        add(tf, "wheels.sha256", listing)
-        if uv is not None:
-            add(tf, "uv", path=uv.path, mode=0o755)
-        for w in send_wheels:
-            add(tf, f"wheels/{w.file}", path=w.path)
-    return buf.getvalue()
-
-
-def script_argv(mode: str, workdir: str, *, lock_hash: str = "-", bundle_hash: str = "-", python: str = "-",
-                keep: int = 3, force: bool = False, offline: bool = False, cache: str | None = None,
-                wheel: str = "-", wheel_sha: str = "-", uv_bin: str = "-", uv_version: str = "-", uv_sha: str = "-",
-                tmux: bool = False, sync_opts: list[str] | None = None, wheels_only: bool = False) -> list[str]:
-    """The ONE command: `bash -c SCRIPT rebuild-venv MODE WORKDIR ...` (pure; argument order is the script's).
-
-    Args:
-        offline: --offline: uv uses no index, no Python download, no apt-get update.
-        wheels_only: the wheelhouse holds every wheel of the lock: uv asks no index (as offline), but apt-get
-            may still update its lists for tmux (a container that reaches only a Debian mirror).
-        uv_bin: a uv path the target can run as is (a local target: the workstation's own); `-` for a
-            container, which uses <workdir>/bin/uv (sha256 `uv_sha`) or a uv of exactly `uv_version`.
-        tmux: install tmux with apt-get when it is missing (containers).
-    """
-    return ["bash", "-c", script_text(), "rebuild-venv", mode, workdir, lock_hash, bundle_hash, python, str(keep),
-            "1" if force else "0", "1" if offline else "2" if wheels_only else "0", cache or "", wheel, wheel_sha, uv_bin, uv_version, uv_sha,
-            "1" if tmux else "0", *(sync_opts or [])]
-
-
-# ---------------------------------------------------------------------------------------------- report
-
-
-@dataclass
-class VenvReport:
-    """What rebuild-venv did."""
-
-    action: str
-    """`built`, `noop` (current already matches), `rollback`, or the as-is kinds `workstation` / `system`
-    (nothing to build)."""
-    target: str
-    venv: str | None = None
-    """Directory name under `<workdir>/venvs/` that `current` now points to."""
-    previous: str | None = None
-    lock_hash: str | None = None
-    bundle_hash: str | None = None
-    lock: str | None = None
-    fingerprint: dict | None = None
-    pruned: list[str] = field(default_factory=list)
-    timings_ms: dict = field(default_factory=dict)
-    wall_s: float = 0.0
-    commands: int = 0
-    """Transport commands made (1, or 2 when the target lacked what this workstation believed it held)."""
-    carried: list[str] = field(default_factory=list)
-    """What travelled inline besides the lock and the bundle: `uv`, wheel file names."""
-    carried_bytes: int = 0
-    tmux: str | None = None
-    """Container targets: `present`, `installed` (now, see tmux_via), `missing` (then a warning says why)."""
-    tmux_via: str | None = None
-    """How tmux was installed: `apt-get` in the target, or Debian's package files brought from here (named)."""
-    warnings: list[dict] = field(default_factory=list)
-    """{type, message, fix}: things that do not stop the build but will stop a launch (tmux missing)."""
-
-    @property
-    def torch(self) -> str | None:
-        return (self.fingerprint or {}).get("torch")
-
-    @property
-    def cuda(self) -> str | None:
-        return (self.fingerprint or {}).get("cuda")
-
-
-# ------------------------------------------------------------------------------------------- failures
-
-_CLASSES = [
-    # (agent type, pattern over uv's output, reason, fix)
-    ("OfflineCacheMiss", r"network (connectivity )?(is|was) disabled|not found in the cache|--offline",
-     "--offline, but the uv cache lacks what the lock needs",
-     "run once without --offline to fill the cache (or add the wheels with the profile's find_links)"),
-    ("ResolutionError", r"no version of|No solution found|unsatisfiable",
-     "uv cannot resolve a pin of the lock", "fix the pin and regenerate the lock: dflashctl lock PROFILE"),
-    ("MissingWheel", r"doesn't have a (source distribution or )?wheel|no wheels? (with|for) a matching|"
-     r"only has wheels with the following|not compatible with the current platform",
-     "a locked package has no wheel for the target's python/platform",
-     "lock for the target's python (profile `python`) or add find_links/index_url with that wheel"),
-    ("HashMismatch", r"[Hh]ash mismatch|hashes? (do|does) not match",
-     "a downloaded file's hash differs from the lock", "check the profile's index_url/find_links serve the locked files"),
-    ("DownloadFailed", r"Failed to (download|fetch)|dns error|Could not connect|connection (refused|reset)|timed out",
-     "uv could not download a package", "check the target's network, or put every wheel of the lock in the venv "
-     "profile's wheelhouse (pip download --no-deps --only-binary=:all: -r LOCK -d DIR): rebuild-venv then asks no "
-     "index; or point the profile's index_url/find_links at a mirror the target reaches"),
-]
-
-
-def classify(event: dict, last_import: str | None = None) -> AgentError:
-    """Turn the script's error event into an AgentError whose message names the step and the reason.
-
-    Args:
-        event: the final `{"event": "error", ...}` from the script or the verifier.
-        last_import: the module the verifier was importing last (named when the verifier died).
-    """
-    step = event.get("step") or (event.get("data") or {}).get("step") or "?"
-    etype = event.get("type") or "RebuildFailed"
-    message = event.get("message") or "rebuild-venv failed"
-    fix = event.get("fix")
-    tail = [ln for ln in (event.get("data") or {}).get("tail") or [] if ln.strip()]
-    if etype == "SyncFailed":
-        text = "\n".join(tail)
-        for t, pattern, reason, cls_fix in _CLASSES:
-            if re.search(pattern, text):
-                etype, message, fix = t, f"{reason} ({message})", cls_fix
-                break
-    if etype == "VerifyCrashed" and last_import:
-        message += f" while importing {last_import!r}"
-    cause = [ln.strip() for ln in tail if re.search(r"error|cause|because|hint|No such|not found", ln, re.I)]
-    detail = "; ".join(cause[:3]) if cause else (tail[-1].strip() if tail else "")
-    text = f"rebuild-venv failed at step `{step}`: {message}"
-    if detail and detail not in text:
-        text += f": {detail}"
-    fix = fix or "fix the cause above, then run `dflashctl rebuild-venv` again"
-    err = AgentError(text + " (the current venv is unchanged)", agent_type=etype, fix=fix)
-    return err.with_data({**(event.get("data") or {}), "step": step})
-
-
-class _Events:
-    """Splits the script's stdout into JSON events (a plain line becomes a `log` event)."""
-
-    def __init__(self, on_event: EventCallback | None):
-        self.on_event = on_event
-        self.buf = b""
-        self.final: dict | None = None
-        self.fingerprint: dict | None = None
-        self.last_import: str | None = None
-        self.need: dict | None = None
-        self.warnings: list[dict] = []
-
-    def feed(self, chunk: bytes) -> None:
-        self.buf += chunk
-        *lines, self.buf = self.buf.split(b"\n")
-        for raw in lines:
-            self._line(raw.decode("utf-8", errors="replace"))
-
-    def finish(self) -> None:
-        if self.buf.strip():
-            self._line(self.buf.decode("utf-8", errors="replace"))
-        self.buf = b""
-
-    def _line(self, text: str) -> None:
-        text = text.strip()
-        if not text:
-            return
-        try:
-            ev = json.loads(text)
-            if not isinstance(ev, dict):
-                raise ValueError
-        except ValueError:
-            ev = {"event": "log", "source": "stdout", "line": text}
-        kind = ev.get("event")
-        if kind in ("result", "error"):
-            self.final = ev
-            return
-        if kind == "need":
-            self.need = ev
-            return
-        if kind == "warning":
-            self.warnings.append(ev)
-        if kind == "fingerprint":
-            self.fingerprint = ev.get("data")
-        if kind == "progress" and ev.get("module"):
-            self.last_import = ev["module"]
-        if self.on_event is not None:
-            self.on_event(ev)
-
+from orchestrator.ops.venvpayload import UvProfile, as_profile, bundle_wheel, payload, script_argv, sync_options
+from orchestrator.ops.venvreport import EventCallback, ScriptEvents, VenvReport, classify
 
 # -------------------------------------------------------------------------------------------------- op
 
@@ -527,13 +193,13 @@ def rebuild(inv, target: str | None, profile: str | None, **kw) -> tuple[str, st
 
 
 def _run_script(target, argv: list[str], stdin: bytes | None, on_event, timeout: float):
-    events = _Events(on_event)
+    events = ScriptEvents(on_event)
     res = target.run(argv, stdin=stdin, timeout=timeout, on_stdout=events.feed)
     events.finish()
     return events, res
 
 
-def _carry_tmux(target, events: _Events, on_event, timeout: float, offline: bool) -> debs.Carried | None:
+def _carry_tmux(target, events: ScriptEvents, on_event, timeout: float, offline: bool) -> debs.Carried | None:
     """The script's TmuxMissing warning with the target's release (apt-get there could not install tmux):
     Debian's packages for that release, fetched and checked here, installed there (ops/debs.py; one more
     command; `offline`: only packages this workstation already holds). Carried, the warning is gone; failing,
@@ -599,5 +265,4 @@ def _warning_fix(target, warning: dict) -> str | None:
     return None
 
 
-__all__ = ["AS_IS_KINDS", "FINGERPRINT", "STAMP", "UvProfile", "VenvReport", "Wheel", "as_profile", "bundle_wheel",
-           "classify", "payload", "profile_kind", "rebuild_venv", "script_argv", "sync_options", "tmux_fix"]
+__all__ = ["VenvReport", "is_data_venv", "profile_for", "rebuild", "rebuild_venv"]

@@ -23,15 +23,9 @@ import pytest
 from orchestrator.agent import bundlescan, venvfingerprint, venvinfo
 from orchestrator.errors import AgentError, UserError
 from orchestrator.ops.lock import LockFile, resolve_lock
-from orchestrator.ops.venv import (
-    as_profile,
-    bundle_wheel,
-    classify,
-    payload,
-    rebuild_venv,
-    script_argv,
-    sync_options,
-)
+from orchestrator.ops.venv import rebuild_venv
+from orchestrator.ops.venvpayload import as_profile, bundle_wheel, payload, script_argv, sync_options
+from orchestrator.ops.venvreport import classify
 from orchestrator.target import ContainerTarget, LocalTarget
 from orchestrator.transport.local import LocalTransport
 
@@ -138,7 +132,7 @@ def test_payload_is_a_tar_of_the_lock_and_the_wheel_and_what_travels_inline(tmp_
     import tarfile
 
     from orchestrator.ops.carry import CarriedWheel, UvBinary
-    from orchestrator.ops.venv import Wheel
+    from orchestrator.ops.venvpayload import Wheel
 
     lock = LockFile("t", Path("t.txt"), b"a==1\n")
     data = payload(lock, Wheel("w.whl", b"PK"))
