@@ -2,7 +2,7 @@
 `python -m trainer regenerate CONFIG [--datasets DIR] [--run-dir DIR]` (the data stage, trainer.regenerate).
 
 Thin: parse flags, make one call into `trainer.loop` (the colocated layout in this process, world size 1;
-split layouts run under `python -m trainer.launch`) or `trainer.evaluate`, print the outcome. Exit codes: 0
+split layouts run under `python -m trainer.launch`) or `trainer.export_eval`, print the outcome. Exit codes: 0
 done, 2 bad config, layout, data or arguments (the message says what to fix), 1 anything else (with the
 traceback).
 """
@@ -71,7 +71,7 @@ def _eval(args) -> int:
     from pydantic import ValidationError
 
     from trainer.config import EvalConfig
-    from trainer.evaluate import evaluate_export
+    from trainer.export_eval import evaluate_export
 
     try:
         kwargs = json.loads(args.chat_template_kwargs)

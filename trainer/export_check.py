@@ -44,7 +44,7 @@ def compare_export(drafter, target, export_dir: str | Path, dtype: torch.dtype =
     Returns:
         One line per problem (empty: the export is the drafter).
     """
-    from trainer.evaluate import load_export
+    from trainer.export_eval import load_export
 
     model = load_export(export_dir, "cpu")
     loaded = {k: v.detach().cpu() for k, v in model.state_dict().items()}

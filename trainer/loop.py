@@ -157,7 +157,7 @@ def check_servable_export(cfg: TrainConfig, assets: Assets, drafter: Drafter, wo
 
 # -- evaluation (main drafter rank) -----------------------------------------------------------------------
 class Evaluation:
-    """τ before, during and after training, through trainer.evaluate.periodic_eval (every mode of
+    """τ before, during and after training, through trainer.export_eval.periodic_eval (every mode of
     cfg.evaluation, on the weights as the export ships them)."""
 
     def __init__(self, cfg: TrainConfig, assets: Assets, metrics: MetricsWriter, log: Log):
@@ -169,7 +169,7 @@ class Evaluation:
     def run(self, module, step: int, when: str, export_dir: Path | None = None):
         """Evaluate (the written export when given), record a metrics line, and for "before"/"after" write
         eval_<when>.json. Returns the EvalReport, None without held-out prompts."""
-        from trainer.evaluate import periodic_eval
+        from trainer.export_eval import periodic_eval
         from trainer.features import TargetModel
 
         a = self.assets

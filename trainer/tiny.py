@@ -306,7 +306,7 @@ def evaluate_tiny_export(cfg, export_dir: str | Path, log: Callable[[str], None]
     Returns:
         The `trainer.evaluate.EvalReport`.
     """
-    from trainer.evaluate import evaluate_export
+    from trainer.export_eval import evaluate_export
 
     assets = build_tiny(cfg.model.tiny_target, log=log)
     report = evaluate_export(

@@ -308,7 +308,7 @@ def evaluate_in_vllm(export_dir: str | Path, target_dir: str | Path, prompt_file
 
     Raises:
         EngineError: vLLM is not importable here, cannot serve the target, or disagrees with the project.
-        ValueError / DataError: as `trainer.evaluate.evaluate_export` (not an export, unusable prompts).
+        ValueError / DataError: as `trainer.export_eval.evaluate_export` (not an export, unusable prompts).
     """
     try:
         import vllm  # noqa: F401
@@ -320,7 +320,8 @@ def evaluate_in_vllm(export_dir: str | Path, target_dir: str | Path, prompt_file
     import torch
     from transformers import AutoTokenizer
 
-    from trainer.evaluate import acceptance_length, load_export, load_prompts
+    from trainer.evaluate import acceptance_length
+    from trainer.export_eval import load_export, load_prompts
     from trainer.features import TargetModel
 
     target_cfg = json.loads((Path(target_dir) / "config.json").read_text())

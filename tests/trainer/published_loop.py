@@ -21,7 +21,8 @@ from transformers import AutoModel, DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from trainer.config import ModelConfig
 from trainer.engines import hf_greedy_batch as batched_greedy
-from trainer.evaluate import acceptance_length, greedy_generate, load_export
+from trainer.evaluate import acceptance_length, greedy_generate
+from trainer.export_eval import load_export
 from trainer.export import export_drafter
 from trainer.features import TargetModel
 from trainer.model import DFlashDrafter

@@ -155,7 +155,7 @@ def test_periodic_eval_measures_the_shipped_bf16_artifact(qwen3_target, tmp_path
     """periodic_eval runs the exported remote code on the weights cast to the export dtype: the very numbers
     `load_export` of the bf16 file gives, for the chain and every budget and temperature."""
     from trainer.config import EvalConfig
-    from trainer.evaluate import load_export, periodic_eval, shipped_model
+    from trainer.export_eval import load_export, periodic_eval, shipped_model
     from trainer.export import export_drafter
 
     drafter = _drafter(qwen3_target)
@@ -187,7 +187,7 @@ def test_periodic_eval_measures_the_shipped_bf16_artifact(qwen3_target, tmp_path
 
 
 def test_load_export_names_a_wrong_directory(tmp_path):
-    from trainer.evaluate import load_export
+    from trainer.export_eval import load_export
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="not an exported drafter \\(missing model.safetensors, dflash.py\\)"):
