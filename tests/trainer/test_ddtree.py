@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import MASK_ID, build_target, small_model_config
+from tiny_targets import MASK_ID, build_target, small_model_config
 from trainer.ddtree import ancestor_mask, build_tree, keep_path, verify_inputs, walk
 from trainer.evaluate import acceptance_length, greedy_generate
 from trainer.model import DFlashDrafter

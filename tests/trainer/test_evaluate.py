@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import MASK_ID, small_model_config
+from tiny_targets import MASK_ID, small_model_config
 from trainer.evaluate import acceptance_length, decode, greedy_generate
 from trainer.model import DFlashDrafter
 from trainer.objective import PackedBatch, dflash_loss

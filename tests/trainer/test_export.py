@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import MASK_ID, small_model_config
+from tiny_targets import MASK_ID, small_model_config
 from trainer.evaluate import acceptance_length
 from pathlib import Path
 
@@ -65,7 +65,7 @@ def test_layout_58_tensors_and_config_fields(qwen3_target, tmp_path):
 @pytest.fixture(scope="module")
 def qwen3_rope_1e6_target():
     """A Qwen3 target with RoPE base 1e6 (Qwen3's real models use 1e6; the other fixtures the default 1e4)."""
-    from conftest import build_target
+    from tiny_targets import build_target
 
     return build_target("qwen3", layers=6, layer_ids=(1, 2, 3), rope_theta=1e6)
 
@@ -177,7 +177,7 @@ def test_export_from_the_bundle_zip(tmp_path):
     code = (
         "import sys, trainer, trainer.export as e\n"
         f"assert trainer.__file__.startswith({str(zpath)!r}), trainer.__file__\n"
-        "from conftest import MASK_ID, small_model_config, build_target\n"
+        "from tiny_targets import MASK_ID, small_model_config, build_target\n"
         "from trainer.model import DFlashDrafter\n"
         "t = build_target('qwen3', layers=6, layer_ids=(1, 2, 3))\n"
         "d = DFlashDrafter.from_target(small_model_config(num_draft_layers=2), t, MASK_ID)\n"

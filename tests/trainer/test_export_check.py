@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import MASK_ID, small_model_config
+from tiny_targets import MASK_ID, small_model_config
 from trainer.export import export_drafter
 from trainer.export_check import ExportMismatch, check_export, compare_export
 from trainer.model import DFlashDrafter

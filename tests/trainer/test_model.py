@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import MASK_ID, build_target, small_model_config
+from tiny_targets import MASK_ID, build_target, small_model_config
 from trainer.attention import dense_mask
 from trainer.features import TargetModel, positions_from_docs
 from trainer.model import DFlashDrafter
@@ -185,7 +185,7 @@ def test_positions_restart_per_document():
 
 
 def test_target_rejects_out_of_range_layer_ids():
-    from conftest import build_hf_target
+    from tiny_targets import build_hf_target
 
     with pytest.raises(ValueError, match=r"out of range.*4 layers"):
         TargetModel(build_hf_target("llama", layers=4), [0, 4])

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MASK_ID, small_model_config
+from tiny_targets import MASK_ID, small_model_config
 from trainer.attention import dense_mask
 from trainer.features import positions_from_docs
 from trainer.model import DFlashDrafter

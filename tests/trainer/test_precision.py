@@ -175,7 +175,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_a_bf16_mixed_step_keeps_float32_masters_and_tracks_fp32(device, backend):
     """One loss + backward under each precision's autocast, from the same float32 weights and anchors:
     bf16-mixed's loss is near fp32's but not equal (bf16 matmuls), and its gradients are float32."""
-    from conftest import MASK_ID, build_hf_target, small_model_config
+    from tiny_targets import MASK_ID, build_hf_target, small_model_config
 
     from trainer.features import TargetModel
     from trainer.model import DFlashDrafter

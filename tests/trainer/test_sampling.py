@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import build_target, small_model_config
+from tiny_targets import build_target, small_model_config
 from trainer.evaluate import acceptance_length, decode
 from trainer.model import DFlashDrafter
 from trainer.sampling import accept_greedy, accept_sampled, choose, probabilities, residual

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import build_hf_target, small_model_config
+from tiny_targets import build_hf_target, small_model_config
 from trainer.features import TargetHead, TargetModel
 from trainer.model import DFlashDrafter
 from trainer.objective import PackedBatch, dflash_loss
