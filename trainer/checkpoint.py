@@ -94,17 +94,13 @@ class CheckpointManager:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        state_path = tmp / "state.pt"
-        with open(state_path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        meta = {"step": step, "files": {"state.pt": {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}}}
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        try:
+            self._write(tmp, step, state)
+        except BaseException:
+            # A failed write (a full disk, a kill signal turned into an exception) leaves no partial step
+            # behind: the space goes back to the file system now, not at the next save.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if final.exists():
             # Same step saved again (a resumed run reaching a step it had saved): swap, never mix files. A kill
             # between the two renames leaves the step only under .old-: _recover puts it back.
@@ -117,6 +113,21 @@ class CheckpointManager:
         _fsync_dir(self.root)
         self._prune()
         return final
+
+    @staticmethod
+    def _write(tmp: Path, step: int, state: dict[str, Any]) -> None:
+        """state.pt and meta.json (its size and sha256) into `tmp`, every file and `tmp` itself fsynced."""
+        state_path = tmp / "state.pt"
+        with open(state_path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {"step": step, "files": {"state.pt": {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}}}
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
 
     def _prune(self) -> None:
         complete = self.list_complete()

@@ -116,3 +116,42 @@ def test_a_swap_another_rank_put_back_first_does_not_stop_recovering_the_next(tm
     assert capsys.readouterr().err.splitlines() == [
         f"[checkpoint] warning: recovered {root / 'step_00000005'} from .old-step_00000005-222 "
         "(a re-save of that step was interrupted)"]
+
+
+def test_a_save_that_fails_midway_leaves_no_partial_step_and_keeps_the_last_complete_one(tmp_path):
+    """A state that cannot be pickled fails torch.save half-way: the error reaches the caller, the temporary
+    step folder is gone at once (not at the next save), the last complete checkpoint is untouched."""
+    m = CheckpointManager(tmp_path / "ck")
+    m.save(1, _state(1))
+    with pytest.raises(Exception) as e:
+        m.save(2, {"model": {"w": torch.ones(4)}, "hook": lambda: None})
+    assert "lambda" in str(e.value) or "pickle" in str(e.value).lower(), e.value
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000001"]
+    assert _w(m.load_latest()[1]) == 1.0
+
+
+def test_a_full_disk_during_a_save_gives_its_space_back(tmp_path):
+    """On a real 1 MiB tmpfs a ~2 MiB state hits ENOSPC inside torch.save: the error (errno 28, or torch's own
+    RuntimeError raised over it while closing its zip writer) reaches the caller, and the partial state.pt is deleted with its folder, so the file system has its space again for the last
+    words a failed run still has to write."""
+    import errno
+    import shutil
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        m = CheckpointManager(mnt / "ck")
+        with pytest.raises((OSError, RuntimeError)) as e:  # torch's zip writer may raise its own error over it
+            m.save(5, {"model": {"w": torch.zeros(512, 1024)}})
+        chain, err = [], e.value
+        while err is not None:
+            chain.append(err)
+            err = err.__cause__ or err.__context__
+        assert any(getattr(x, "errno", None) == errno.ENOSPC for x in chain), chain
+        assert list((mnt / "ck").iterdir()) == []
+        assert shutil.disk_usage(mnt).free > (1 << 20) - (64 << 10)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
