@@ -87,6 +87,30 @@ def _discard(path: Path) -> None:
                          stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def _size(mib: float) -> str:
+    """A volume's size as Proxmox writes it (`size=2M`, `size=512K`)."""
+    kib = int(mib * 1024)
+    return f"{kib // 1024}M" if kib % 1024 == 0 else f"{kib}K"
+
+
+def _mount_volume(path: Path, mib: float, owner: int) -> None:
+    """A tmpfs of `mib` MiB at `path` (made), its root owned by uid/gid `owner`."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={int(mib * 1024)}k,mode=0755,uid={owner},gid={owner}"
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"mounting a {mib} MiB volume at {path}: {proc.stderr.strip()}")
+
+
+def _unmount_volumes(workdir: Path) -> None:
+    """Unmount every mount at or under `workdir` (its volumes), deepest first."""
+    base = str(workdir)
+    with open("/proc/self/mountinfo") as fh:
+        points = [line.split()[4] for line in fh]
+    for point in sorted((p for p in points if p == base or p.startswith(base + "/")), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
 def cleanup_stale(parent: Path) -> list[Path]:
     """Stop what earlier, crashed test runs left under `parent` (their owner pid is gone): container inits
     and sshd; remove their directories unless they were kept on purpose (a `keep` file).
@@ -420,6 +444,7 @@ class FakePVE:
         self._stop_sshd()
         if remove:
             for wd in self._stock_workdirs():
+                _unmount_volumes(wd)
                 _discard(wd)
             shutil.rmtree(self.base, ignore_errors=True)
         elif self.base.exists():
@@ -442,7 +467,8 @@ class FakePVE:
 
     def create_container(self, ctid: int, gpus: int = 8, running: bool = True, hostname: str | None = None,
                          image: str | None = None, memory_mib: int = 65536, swap_mib: int = 0,
-                         network: bool = False, unprivileged: bool | None = None) -> FakeContainer:
+                         network: bool = False, unprivileged: bool | None = None,
+                         volumes: dict[str, float] | None = None) -> FakeContainer:
         """Create (or re-create, fresh) LXC container `ctid` with `gpus` stand-in GPUs, all at 0 MiB used.
 
         Args:
@@ -458,6 +484,11 @@ class FakePVE:
                 that download from PyPI or Debian inside; a `net0:` line appears in its config.
             unprivileged: default True for a stock container (uid 0 inside is 100000 outside), as Proxmox
                 creates them; a shared-root one is always privileged.
+            volumes: mount points of a size of their own, {path under the workdir: MiB} (Proxmox's `mpN:
+                STORAGE:vm-CTID-disk-N,mp=PATH,size=...`, a small disk that can fill while the root cannot):
+                a tmpfs of that size mounted on the host at the workdir's path before the container starts
+                (the storage's recursive bind brings it in), owned by the container's root; unmounted by
+                remove_container. Stock containers only.
         """
         if image is not None and image not in IMAGES:
             raise ValueError(f"unknown image {image!r}; use one of {IMAGES}")
@@ -465,6 +496,8 @@ class FakePVE:
             unprivileged = image is not None
         if unprivileged and image is None:
             raise ValueError("a shared-root container (image=None) is privileged: it shares the host's files")
+        if volumes and image is None:
+            raise ValueError("volumes are for stock containers (a shared-root one has the host's file systems)")
         ct = FakeContainer(self, ctid)
         self.remove_container(ctid)
         for sub in ("tmp", "sbin", "work"):
@@ -485,6 +518,8 @@ class FakePVE:
                 d.mkdir()
                 if unprivileged:
                     os.chown(d, pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
+            for i, (rel, mib) in enumerate(sorted((volumes or {}).items()), start=1):
+                _mount_volume(workdir / rel, mib, pct_impl.ID_SHIFT if unprivileged else 0)
             if unprivileged:
                 os.chown(workdir, pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
                 os.chown(ct.dir / "tmp", pct_impl.ID_SHIFT, pct_impl.ID_SHIFT)
@@ -525,6 +560,8 @@ class FakePVE:
         lines += [f"dev{i}: {path}" for i, path in enumerate(devs)]
         if image is not None:
             lines.append(f"mp0: {self.storage()},mp={self.storage()}")
+            lines += [f"mp{i}: local-lvm:vm-{ctid}-disk-{i},mp={Path(ct.workdir) / rel},size={_size(mib)}"
+                      for i, (rel, mib) in enumerate(sorted((volumes or {}).items()), start=1)]
         conf = pct_impl.conf_path(self.base, ctid)
         tmp = conf.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
@@ -538,6 +575,7 @@ class FakePVE:
         ct = FakeContainer(self, ctid)
         ct.stop()
         if ct.image is not None:
+            _unmount_volumes(Path(ct.workdir))
             _discard(Path(ct.workdir))
         pct_impl.conf_path(self.base, ctid).unlink(missing_ok=True)
         shutil.rmtree(pct_impl.lxc_path(self.base) / str(ctid), ignore_errors=True)

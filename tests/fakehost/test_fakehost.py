@@ -403,6 +403,29 @@ def test_the_memory_limit_is_the_containers_cgroup_limit(host, stock):
     assert host("pct", "exec", "225", "--", "sh", "-c", read).text() == f"{512 * 1024 * 1024}\n"
 
 
+def test_a_volume_of_its_own_size_fills_inside_while_the_root_does_not(host, fake_pve):
+    """A mount point with `size=` (a small disk under the workdir): the container's root writes it until ENOSPC
+    at its size, the host sees the same bytes, `pct config` lists it, and removing the container unmounts it."""
+    from fakehost import STOCK
+
+    ct = fake_pve.create_container(227, gpus=0, image=STOCK, volumes={"runs": 1})
+    runs = Path(ct.workdir) / "runs"
+    try:
+        assert f"mp1: local-lvm:vm-227-disk-1,mp={runs},size=1M" in host("pct", "config", "227").text().splitlines()
+        fill = host("pct", "exec", "227", "--", "sh", "-c",
+                    f"dd if=/dev/zero of={runs}/fill bs=64k count=64 2>&1; stat -c %u {runs}/fill")
+        assert fill.exit_code == 0 and b"No space left on device" in fill.stdout, fill.stdout
+        assert fill.stdout.splitlines()[-1] == b"0"  # the container's root owns what it wrote
+        assert (runs / "fill").stat().st_size == 1 << 20  # the whole MiB, and not a byte more
+        assert (runs / "fill").stat().st_uid == 100000
+        root = host("pct", "exec", "227", "--", "sh", "-c", "head -c 2097152 /dev/zero > /root/big && echo ok")
+        assert root.text() == "ok\n"  # the root file system is not that volume
+    finally:
+        fake_pve.remove_container(227)
+    with open("/proc/self/mountinfo") as fh:
+        assert not [line for line in fh if f"{fake_pve.base.name}-227" in line]
+
+
 def test_no_network_by_default_and_the_hosts_network_when_asked(host, stock, fake_pve):
     from fakehost import STOCK
 
