@@ -25,7 +25,7 @@ start_training.sh reads it and deletes it before the command starts, so no secre
 user of the container, and keep it in the session's environment for every later pane.)"""
 VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
 """The run's vLLM interpreter for the end-of-training evaluation in vLLM: trainer.vllm_eval.VLLM_PYTHON_ENV (the
-agent never imports the trainer; a test holds the two names equal)."""
+agent imports no trainer module but trainer.faults; a test holds the two names equal)."""
 # Variables of the agent's own environment that must not leak into a run.
 DROP_ENV = ("TMUX", "TMUX_PANE")
 

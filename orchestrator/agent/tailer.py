@@ -28,27 +28,6 @@ EVENT_BYTES = 256 << 10
 MAX_LINE = 1 << 20
 
 
-# The free space under which a file system counts as full: trainer.faults.FULL_BYTES (the agent never imports
-# the trainer), the same 1 MiB.
-FULL_BYTES = 1 << 20
-
-
-def disk_full(run_dir: Path) -> dict | None:
-    """The run directory's file system when it has less than FULL_BYTES free, as {"path", "free_bytes",
-    "total_bytes"}, else None. Read by the agent when a run ended failed or without exit.json: the cause
-    then travels in the follow's answer, which needs no byte of the full disk (a command-kind run has no
-    trainer.launch to name it in its report)."""
-    import shutil
-
-    try:
-        use = shutil.disk_usage(run_dir)
-    except OSError:
-        return None
-    if use.free >= FULL_BYTES:
-        return None
-    return {"path": str(run_dir), "free_bytes": use.free, "total_bytes": use.total}
-
-
 # ------------------------------------------------------------------------------------- baseline
 
 

@@ -4,6 +4,7 @@ only through Target, no verb imports another verb, no private name crosses a mod
 from __future__ import annotations
 
 import ast
+import sys
 import re
 from pathlib import Path
 
@@ -211,6 +212,32 @@ def test_the_trainer_never_imports_the_orchestrator():
         for mod, _names, line in imports(ast.parse(path.read_text())):
             if mod.split(".")[0] == "orchestrator":
                 bad.append(f"{path.relative_to(REPO)}:{line} imports {mod}")
+    assert bad == []
+
+
+# The one trainer module the agent may import: the causes a failed rank cannot report itself (an OOM kill, a
+# full file system), one rule for the launcher's report and the agent's answer. Standard library only, so the
+# agent stays as light in the container as the stdlib and the bundle.
+AGENT_MAY_USE_FROM_TRAINER = {"trainer.faults"}
+
+
+def test_the_agent_imports_from_the_trainer_only_its_stdlib_faults():
+    bad = []
+    for name, tree in MODULES.items():
+        if floor(name) != "orchestrator.agent":
+            continue
+        for mod, names, line in imports(tree):
+            if mod.split(".")[0] != "trainer":
+                continue
+            used = [f"{mod}.{n}" for n in names] if mod == "trainer" else [mod]  # `from trainer import faults`
+            bad += [f"{name}:{line} imports {u}" for u in used if u not in AGENT_MAY_USE_FROM_TRAINER]
+    for mod in sorted(AGENT_MAY_USE_FROM_TRAINER):
+        tree = ast.parse((REPO / (mod.replace(".", "/") + ".py")).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                bad += [f"{mod}:{node.lineno} imports {n} (not the standard library)" for n in names
+                        if n.split(".")[0] not in sys.stdlib_module_names and n != "__future__"]
     assert bad == []
 
 

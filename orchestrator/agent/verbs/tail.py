@@ -34,7 +34,8 @@ from orchestrator.agent.requests import TailAnswer, TailRequest
 from orchestrator.ownlines import RUN_JSON_KEY, valid_mark
 from orchestrator.agent.liveness import run_alive, state_of, stopped_by
 from orchestrator.agent.rundirs import parse_records, read_exit, resolve_run
-from orchestrator.agent.tailer import DirWatcher, LineCursor, disk_full, last_good_baseline, tail_offset
+from orchestrator.agent.tailer import DirWatcher, LineCursor, last_good_baseline, tail_offset
+from trainer import faults
 
 # How long to sleep at most with inotify on: changes wake us at once; this only bounds how late a change
 # nobody told us about (a log behind a symlink) is noticed.
@@ -101,9 +102,12 @@ def run(request: dict, emit) -> dict:
         if watcher is not None:
             watcher.close()
         failed = state != "running" and (exit_info is None or exit_info.get("exit_code") not in (0, None))
+        # A failed run's full file system, by the trainer's one rule (the same the launcher names in its
+        # report): it travels in this answer, which needs no byte of the full disk.
+        disk_full = faults.full_filesystem([ref.path]) if failed else None
         return TailAnswer(run_id=ref.run_id, state=state, exit=exit_info, session_alive=alive,
                           offsets={"log": log.offset, "metrics": metrics.offset if metrics else None},
-                          disk_full=disk_full(ref.path) if failed else None).to_json()
+                          disk_full=disk_full).to_json()
 
     last_check = float("-inf")
     gone_once = False

@@ -55,20 +55,3 @@ def test_a_command_run_that_fills_its_disk_is_named_full_in_the_follows_answer(t
     finally:
         subprocess.run(["tmux", "kill-server"], capture_output=True)
         subprocess.run(["umount", "-l", str(mnt)])
-
-
-@pytest.mark.parametrize("free", [0, (1 << 20) - 1, 1 << 20, 5 << 20])
-def test_the_agent_and_the_trainer_call_the_same_file_systems_full(tmp_path, monkeypatch, free):
-    """The agent keeps its own copy of the trainer's rule (it never imports the trainer): both must say the same
-    of the same free space, on either side of the threshold, so a copy that drifts fails here."""
-    import shutil
-    from collections import namedtuple
-
-    from orchestrator.agent import tailer
-    from trainer import faults
-
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, (64 << 20) - free, free))
-    agent, trainer_says = tailer.disk_full(tmp_path), faults.full_filesystem([tmp_path])
-    assert agent == trainer_says
-    assert (agent is None) == (free >= 1 << 20)
