@@ -155,3 +155,21 @@ def test_a_full_disk_during_a_save_gives_its_space_back(tmp_path):
         assert shutil.disk_usage(mnt).free > (1 << 20) - (64 << 10)
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_a_cleanup_that_fails_after_a_failed_save_does_not_hide_the_cause(tmp_path, monkeypatch):
+    """The save's error is what the caller gets, even when its partial folder cannot be removed (a file system
+    gone read-only under a full disk): the cleanup is best effort, the cause is never replaced by its error."""
+    real_rmdir = os.rmdir
+
+    def refuse(path, *args, **kw):
+        if ".tmp-step_" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_rmdir(path, *args, **kw)
+
+    m = CheckpointManager(tmp_path / "ck")
+    monkeypatch.setattr(os, "rmdir", refuse)
+    with pytest.raises(Exception) as e:
+        m.save(2, {"model": {"w": torch.ones(4)}, "hook": lambda: None})
+    assert not isinstance(e.value, PermissionError), e.value
+    assert "lambda" in str(e.value) or "pickle" in str(e.value).lower(), e.value
