@@ -66,7 +66,7 @@ def make_container(pve: FakePVE):
     ct = pve.create_container(CTID, gpus=8)
     venv = Path(ct.workdir) / "venvs" / "bench-0"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)  # has libtmux, like a built venv
+    (venv / "bin" / "python").symlink_to(sys.executable)  # the workstation's interpreter stands in for a built venv's
     (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock_hash(LOCK), "packages": {}}))
     (Path(ct.workdir) / "venvs" / "current").symlink_to(venv.name)
     return ct

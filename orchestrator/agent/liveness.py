@@ -142,7 +142,7 @@ def session_alive(ref: RunRef, sessions: list[dict] | None = None) -> bool | Non
         try:
             sessions = tmuxctl.list_sessions()
         except AgentFailure:
-            return None  # no tmux or no libtmux here: the pid file may still tell
+            return None  # no tmux here: the pid file may still tell
     s = run_session(ref, sessions)
     return s is not None and not s.get("dead")
 

@@ -1,25 +1,27 @@
-"""tmux inside the target, through libtmux: the sessions runs live in.
+"""tmux inside the target, through the tmux CLI: the sessions runs live in.
 
 A run's session is `dflash-<experiment>` (orchestrator.names.session_name) on the target's default tmux server (the one `tmux attach -t
 dflash-<experiment>` reaches by hand; in a container /tmp, and so the server, is the container's own).
 Each session carries the user option `@dflash_run` = the run id, so a run's state is read from the session
 that really runs it, never from a later run of the same experiment.
 
-libtmux is optional (the agent module must import under a bare python3); without it the same tmux commands
-run through the tmux CLI directly. It is imported with this module, not at first use: the agent imports its
-verb before it reads the request, so a launch started early (orchestrator.preconnect) has it loaded by the
-time the request arrives.
+Why the CLI and not libtmux: the agent runs under a container's bare python3 before any venv exists (status
+and stop of any run, every call on a `kind: system` target), where libtmux cannot be imported, so a CLI path
+has to exist; with libtmux beside it there were two. What the agent asks of tmux is two things libtmux's
+objects do in several tmux processes each: a race-free start (new-session ; set-option ; set-option ;
+respawn-pane, one command list that tmux runs as one) and every session's first pane with its run id in one
+`list-panes -a -F`. For both it offered only `Server.cmd`, a subprocess with the same arguments, and it cost
+every agent call its import (tens of milliseconds, on the launch path).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 from orchestrator import names
 from orchestrator.agent.protocol import AgentFailure
-
-try:
-    import libtmux
-except ImportError:
-    libtmux = None
 
 SESSION_PREFIX = names.SESSION_PREFIX
 RUN_OPTION = "@dflash_run"
@@ -43,55 +45,36 @@ def session_name(experiment: str) -> str:
         raise AgentFailure("BadName", exc.message, fix=exc.fix) from None
 
 
-class _CliResult:
-    """The shape of libtmux's tmux_cmd result (returncode, stdout lines, stderr lines)."""
+class TmuxResult:
+    """One tmux command's outcome: its exit status and its output as lines."""
 
-    def __init__(self, proc):
+    def __init__(self, proc: subprocess.CompletedProcess):
         self.returncode = proc.returncode
         self.stdout = proc.stdout.decode("utf-8", "replace").splitlines()
         self.stderr = proc.stderr.decode("utf-8", "replace").splitlines()
 
 
-class _CliServer:
-    """The tmux CLI run directly: used when libtmux is not importable (the agent under a bare python3
-    before a venv exists), so status and stop still work there."""
-
-    def cmd(self, *args: str) -> _CliResult:
-        import subprocess
-
-        return _CliResult(subprocess.run(["tmux", *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=30))
-
-
 def tmux_missing() -> AgentFailure:
     """The one error of a target without tmux; the workstation replaces the fix with the line that installs it
     there, wrapped in ssh and pct (orchestrator.ops.refusal)."""
-    import os
-
     return AgentFailure("TmuxMissing", "tmux is not installed in the target (no tmux on PATH "
                         f"{os.environ.get('PATH', '')}); every run lives in a tmux session",
                         fix="dflashctl rebuild-venv  (installs tmux)")
 
 
-def _server():
-    import shutil
+def _cmd(*args: str) -> TmuxResult:
+    """`tmux ARGS` on the default server (no stdin; 30 s at most).
 
-    if shutil.which("tmux") is None:
+    Raises:
+        AgentFailure("TmuxMissing"): no tmux on PATH, or it cannot be run.
+    """
+    exe = shutil.which("tmux")
+    if exe is None:
         raise tmux_missing()
-    if libtmux is None:
-        return _CliServer()
     try:
-        return libtmux.Server()
-    except Exception as exc:  # noqa: BLE001 - libtmux raises its own TmuxCommandNotFound
-        raise AgentFailure("TmuxMissing", f"tmux is not usable in the target: {exc}", fix="apt-get install -y tmux") from None
-
-
-def _cmd(server, *args: str):
-    try:
-        return server.cmd(*args)
-    except FileNotFoundError:
-        raise tmux_missing() from None
-    except Exception as exc:  # noqa: BLE001 - e.g. tmux binary missing
-        raise AgentFailure("TmuxMissing", f"tmux {args[0]} failed: {exc}", fix="apt-get install -y tmux") from None
+        return TmuxResult(subprocess.run([exe, *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=30))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise AgentFailure("TmuxMissing", f"tmux {args[0]} failed: {exc}", fix="dflashctl rebuild-venv  (installs tmux)") from None
 
 
 def parse_panes(lines: list[str]) -> list[dict]:
@@ -121,8 +104,7 @@ def parse_panes(lines: list[str]) -> list[dict]:
 
 def list_sessions() -> list[dict]:
     """Every session on the target's tmux server (see parse_panes); [] when no server runs."""
-    server = _server()
-    res = _cmd(server, "list-panes", "-a", "-F", _FORMAT)
+    res = _cmd("list-panes", "-a", "-F", _FORMAT)
     if res.returncode != 0:
         text = " ".join(res.stderr).lower()
         if any(s in text for s in _NO_SERVER):
@@ -149,9 +131,7 @@ def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
     Raises:
         AgentFailure("TmuxFailed"): tmux refused (e.g. the name exists: a race lost to another launch).
     """
-    server = _server()
     res = _cmd(
-        server,
         "new-session", "-d", "-s", name, "-x", "220", "-y", "50", "-c", cwd, "exec sleep 2147483647",
         ";", "set-option", "-t", name, "remain-on-exit", "on",
         ";", "set-option", "-t", name, RUN_OPTION, run_id,
@@ -167,6 +147,5 @@ def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
 
 def kill_session(name: str) -> bool:
     """Kill the session `name` (its pane gets SIGHUP). Returns whether one was there."""
-    server = _server()
-    res = _cmd(server, "kill-session", "-t", "=" + name)
+    res = _cmd("kill-session", "-t", "=" + name)
     return res.returncode == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "transformers", "paramiko", "fabric", "invoke", "libtmux")
+HEAVY = ("torch", "transformers", "paramiko", "fabric", "invoke")
 
 INVENTORY = """\
 targets:
@@ -82,8 +82,7 @@ def test_a_verbs_help_imports_nothing_it_does_not_use(verb):
 
 def test_status_of_a_local_target_imports_no_ssh_tmux_or_torch(tmp_path):
     """The workstation side of a local status validates the inventory (pydantic, yaml, the trainer's config)
-    and prints (rich); the SSH stack, libtmux (the agent's, in its own process), torch and plotext it never
-    uses."""
+    and prints (rich); the SSH stack, torch and plotext it never uses."""
     got = imported_by("status", "--target", "local", inventory=write_inventory(tmp_path))
     assert set(got) <= {"pydantic", "yaml", "trainer", "rich", "platformdirs"}, got
 

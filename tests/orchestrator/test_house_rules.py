@@ -176,7 +176,7 @@ def floor(module: str) -> str:
 
 
 # What each floor may not import (docs/architecture.md: arrows point down; the agent runs in the container on the
-# standard library, the bundle and libtmux; the trainer knows nothing of the orchestrator).
+# standard library and the bundle; the trainer knows nothing of the orchestrator).
 FORBIDDEN = {
     "orchestrator.agent": ("orchestrator.cli", "orchestrator.commands", "orchestrator.ops", "orchestrator.inventory",
                            "orchestrator.target", "orchestrator.transport", "orchestrator.records",

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
 # Runs `python -m orchestrator.agent VERB` in-process with a stdin that notes which modules were loaded when
-# the request was read; prints the project's (and libtmux's) modules imported after that.
+# the request was read; prints the project's modules imported after that.
 PROBE = textwrap.dedent("""
     import json, os, sys
     from orchestrator.agent.__main__ import main
@@ -33,7 +33,7 @@ PROBE = textwrap.dedent("""
 
     sys.stdin = Stdin()
     rc = main(sys.argv[1:])
-    late = sorted(m for m in set(sys.modules) - at_read if m.split(".")[0] in ("orchestrator", "libtmux"))
+    late = sorted(m for m in set(sys.modules) - at_read if m.split(".")[0] == "orchestrator")
     print("LATE=" + json.dumps({"rc": rc, "late": late}), file=sys.stderr)
 """)
 

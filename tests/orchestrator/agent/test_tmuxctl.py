@@ -1,6 +1,6 @@
 """orchestrator.agent.tmuxctl: the tmux sessions runs live in, on a real tmux server (a private one per test:
-TMUX_TMPDIR in tmp_path, conftest's isolated_tmux), through libtmux and through the bare tmux CLI (what the
-agent has under a stock python3 before any venv exists)."""
+TMUX_TMPDIR in tmp_path, conftest's isolated_tmux), through the tmux CLI (the one path, the same under a stock
+python3 before any venv exists as in a venv)."""
 
 from __future__ import annotations
 
@@ -16,26 +16,23 @@ from waiting import wait_for
 pytestmark = pytest.mark.usefixtures("isolated_tmux")
 
 
-@pytest.fixture(params=["libtmux", "cli"])
-def backend(request, monkeypatch):
-    """Every test runs against both ways tmuxctl reaches tmux."""
-    monkeypatch.delenv("TMUX", raising=False)  # run from inside tmux: never talk to the developer's server
-    if request.param == "cli":
-        monkeypatch.setattr(tmuxctl, "_server", lambda: tmuxctl._CliServer())
-    return request.param
+@pytest.fixture
+def no_outer_tmux(monkeypatch):
+    """tmux of the test's own (isolated_tmux), never the developer's server when run from inside tmux."""
+    monkeypatch.delenv("TMUX", raising=False)
 
 
 def dead(name: str):
     return lambda: (s := tmuxctl.find_session(name)) is not None and s["dead"] and s
 
 
-def test_no_server_yet_is_no_sessions_not_an_error(backend):
+def test_no_server_yet_is_no_sessions_not_an_error(no_outer_tmux):
     assert tmuxctl.list_sessions() == []
     assert tmuxctl.find_session("dflash-x") is None
     assert tmuxctl.kill_session("dflash-x") is False
 
 
-def test_a_session_carries_its_run_id_and_outlives_a_command_that_ends_at_once(backend, tmp_path):
+def test_a_session_carries_its_run_id_and_outlives_a_command_that_ends_at_once(no_outer_tmux, tmp_path):
     s = tmuxctl.new_session("dflash-fast", "exit 0", str(tmp_path), "fast-1")
     assert (s["name"], s["run_id"]) == ("dflash-fast", "fast-1")
     # remain-on-exit is set before the command runs: the session stays, its pane dead, its run id readable.
@@ -43,7 +40,7 @@ def test_a_session_carries_its_run_id_and_outlives_a_command_that_ends_at_once(b
     assert ended["run_id"] == "fast-1" and ended["pane_pid"] is not None
 
 
-def test_the_command_line_runs_as_given_in_the_run_directory(backend, tmp_path):
+def test_the_command_line_runs_as_given_in_the_run_directory(no_outer_tmux, tmp_path):
     text = "[rank0]: it's \"quoted\" $(id) `id` [bold]x[/]\n\tend"
     line = render(["sh", "-c", 'printf %s "$1" > out.txt', "sh", text])
     tmuxctl.new_session("dflash-text", line, str(tmp_path), "text-1")
@@ -51,7 +48,7 @@ def test_the_command_line_runs_as_given_in_the_run_directory(backend, tmp_path):
     assert (tmp_path / "out.txt").read_text() == text  # relative path: the session's cwd is the one given
 
 
-def test_names_are_exact_never_a_prefix(backend, tmp_path):
+def test_names_are_exact_never_a_prefix(no_outer_tmux, tmp_path):
     tmuxctl.new_session("dflash-ab", "sleep 300", str(tmp_path), "ab-1")
     assert tmuxctl.find_session("dflash-a") is None
     assert tmuxctl.kill_session("dflash-a") is False  # tmux alone would take dflash-ab as its prefix match
@@ -61,7 +58,7 @@ def test_names_are_exact_never_a_prefix(backend, tmp_path):
     assert [s["name"] for s in tmuxctl.list_sessions()] == ["dflash-ab"]
 
 
-def test_a_second_session_of_the_same_name_is_refused_and_the_first_keeps_its_run(backend, tmp_path):
+def test_a_second_session_of_the_same_name_is_refused_and_the_first_keeps_its_run(no_outer_tmux, tmp_path):
     tmuxctl.new_session("dflash-one", "sleep 300", str(tmp_path), "one-1")
     with pytest.raises(AgentFailure) as info:
         tmuxctl.new_session("dflash-one", "echo replaced > replaced", str(tmp_path), "one-2")
@@ -69,7 +66,7 @@ def test_a_second_session_of_the_same_name_is_refused_and_the_first_keeps_its_ru
     assert tmuxctl.find_session("dflash-one")["run_id"] == "one-1" and not (tmp_path / "replaced").exists()
 
 
-def test_no_tmux_in_the_target_names_the_package_to_install(backend, tmp_path, monkeypatch):
+def test_no_tmux_in_the_target_names_the_package_to_install(no_outer_tmux, tmp_path, monkeypatch):
     empty = tmp_path / "bin"
     empty.mkdir()
     with monkeypatch.context() as m, pytest.raises(AgentFailure) as info:  # PATH back before the server's teardown
