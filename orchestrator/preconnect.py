@@ -78,7 +78,7 @@ class EarlyConnection:
         call, the bundle's hash and the modules that start it (the target, pct, the workstation's records).
         Imported here, while the command waits: imported after the connection, they would wait for the GIL
         while the command imports its own modules, and the agent would start that much later."""
-        from orchestrator.transport.ssh import import_ssh_stack
+        from orchestrator.transport.sshimport import import_ssh_stack
 
         import_ssh_stack()
         if self.agent is not None:

@@ -14,7 +14,6 @@ Host keys: known_hosts is the truth on every hop (see hostkeys.py); an unknown k
 from __future__ import annotations
 
 import os
-import shlex
 import socket
 import threading
 import time
@@ -22,8 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.errors import ConnectError, HostKeyError
-from orchestrator.names import is_ssh_word
 from orchestrator.transport.base import CommandTimeout, Result, Started, StreamCallback
+from orchestrator.transport.openssh import openssh_argv, paste_line
+from orchestrator.transport.sshimport import import_ssh_stack
 from orchestrator.quoting import render
 
 _CHUNK = 32768
@@ -33,97 +33,6 @@ _TAIL = 16384
 NO_EXIT_STATUS = 255
 # After both streams hit EOF the exit status is normally already there; wait at most this long for it.
 EXIT_STATUS_GRACE_S = 30.0
-
-
-def import_ssh_stack() -> None:
-    """Import what opening a connection needs (paramiko, host keys), e.g. on a thread started early.
-    Imported here, not with this module: a command that reaches no host never pays for them."""
-    import logging
-
-    # paramiko logs handshake failures at ERROR; without a handler Python prints them on stderr next to
-    # our own readable message. The exception carries the same text.
-    logging.getLogger("paramiko").addHandler(logging.NullHandler())
-    defer_import("invoke")
-    from orchestrator.transport import hostkeys, sshconn  # noqa: F401 - paramiko with them
-
-
-def defer_import(name: str) -> None:
-    """Make `import NAME` cheap until the module is used: paramiko's config imports invoke (with
-    unittest.mock and asyncio, about 40% of paramiko's import time) only to run an ssh_config `Match exec`
-    line. NAME is registered as a stand-in module that imports the real one on its first attribute access
-    and hands that on, so a `Match exec` still works. (importlib's LazyLoader cannot do this before Python
-    3.12: `import NAME` itself reads the module's __spec__, which loads it.) A module already imported, or
-    not installed, is left as it is."""
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    if name in sys.modules or importlib.util.find_spec(name) is None:
-        return  # not installed: paramiko's own `import` meets the ImportError it expects
-
-    class Deferred(types.ModuleType):
-        def __getattr__(self, attr: str):
-            if sys.modules.get(name) is self:
-                del sys.modules[name]
-            return getattr(importlib.import_module(name), attr)
-
-    stand_in = Deferred(name)
-    stand_in.__spec__ = None  # what the import system reads of a module it finds in sys.modules
-    sys.modules[name] = stand_in
-
-
-def openssh_argv(
-    destination: str,
-    remote: Sequence[str],
-    *,
-    port: int | None = None,
-    user: str | None = None,
-    identity_file: str | None = None,
-    known_hosts: str | None = None,
-    tty: bool = False,
-    strict: bool = False,
-) -> list[str]:
-    """The OpenSSH client argv that runs `remote` on a host as the user's own ssh reaches it: the same
-    destination (an ~/.ssh/config alias or a hostname) and the same explicit settings this project's SSH
-    transport uses; everything else comes from ~/.ssh/config, for both. Fixes printed for a host
-    (`ssh -p 2222 root@pve1.lan pct start 200`, or `ssh pve1 pct start 200` for an alias) and `attach`
-    are built here.
-
-    Args:
-        destination: the inventory's `ssh:` (never the inventory's own name for the host).
-        remote: the argv to run there; rendered into ONE string by quoting.render (sshd hands it to the
-            login shell, the only parser on the path).
-        port: left out when None or 22 (then ~/.ssh/config or 22 decides, as for the transport).
-        tty: `-t`, for an interactive program (tmux attach).
-        strict: `StrictHostKeyChecking=yes`: never accept an unknown or changed key interactively.
-    Raises:
-        ValueError: the destination or user starts with '-' or holds whitespace (ssh would read an option).
-    """
-    for what, value in (("destination", destination), ("user", user)):
-        if value is not None and not is_ssh_word(value):
-            raise ValueError(f"bad ssh {what} {value!r}")
-    argv = ["ssh", *(["-t"] if tty else [])]
-    if port and int(port) != 22:
-        argv += ["-p", str(port)]
-    if identity_file:
-        argv += ["-i", identity_file, "-o", "IdentitiesOnly=yes"]  # only the configured key, as the transport
-    if known_hosts:
-        argv += ["-o", f"UserKnownHostsFile={known_hosts}"]
-    if strict:
-        argv += ["-o", "StrictHostKeyChecking=yes"]
-    return [*argv, f"{user}@{destination}" if user else destination, render(remote)]
-
-
-def paste_line(argv: Sequence[str]) -> str:
-    """An openssh_argv as a line to paste into a shell. ssh joins its trailing arguments with spaces, so a
-    remote command whose words need no quoting is printed bare (`ssh pve1 pct start 200`); any other is
-    printed as the one quoted argument it is."""
-    *local, remote = argv
-    words = remote.split(" ")
-    if all(w and shlex.quote(w) == w for w in words):
-        return f"{shlex.join(local)} {remote}"
-    return shlex.join(argv)
 
 
 # The inventory HostSpec fields a connection depends on (the others say how to run pct).

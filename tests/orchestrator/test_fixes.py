@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.transport.ssh import openssh_argv, paste_line
+from orchestrator.transport.openssh import openssh_argv, paste_line
 
 
 def test_openssh_argv_and_its_paste_line_golden():

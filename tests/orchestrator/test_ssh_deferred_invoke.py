@@ -1,4 +1,4 @@
-"""The SSH stack defers paramiko's import of invoke (transport.ssh.defer_import): the import no longer
+"""The SSH stack defers paramiko's import of invoke (transport.sshimport.defer_import): the import no longer
 loads it, and an ssh_config `Match exec` line, the one thing paramiko uses invoke for, still runs its
 command. In a fresh interpreter: pytest's own process may have imported invoke already."""
 
@@ -11,7 +11,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import io, sys
-    from orchestrator.transport.ssh import import_ssh_stack
+    from orchestrator.transport.sshimport import import_ssh_stack
 
     import_ssh_stack()
     print("loaded", "invoke.collection" in sys.modules)
@@ -35,7 +35,7 @@ def test_invoke_is_deferred_and_match_exec_still_runs():
 
 
 def test_an_imported_invoke_is_left_as_it_is():
-    code = ("import sys, invoke; from orchestrator.transport.ssh import defer_import; real = sys.modules['invoke']; "
+    code = ("import sys, invoke; from orchestrator.transport.sshimport import defer_import; real = sys.modules['invoke']; "
             "defer_import('invoke'); print(sys.modules['invoke'] is real)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "True", res.stderr

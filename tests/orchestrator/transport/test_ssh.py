@@ -267,7 +267,7 @@ def _sshd_children(main_pid: int) -> list[int]:
 def test_ssh_argv_quotes_the_remote_command_once():
     import subprocess
 
-    from orchestrator.transport.ssh import openssh_argv
+    from orchestrator.transport.openssh import openssh_argv
 
     argv = openssh_argv("pve1", ["pct", "exec", "200", "--", "echo", "a b", "$(id)"], tty=True)
     assert argv == ["ssh", "-t", "pve1", "pct exec 200 -- echo 'a b' '$(id)'"]
