@@ -6,7 +6,7 @@ plan_epoch -> 100 steps of batch building, beside today's JSON-list path (load_s
 
 Conversations are generated text of the tiny tokenizer's words (trainer/tiny.py), one user and one assistant
 turn of --words-per-turn words each (default 150..1000: ~1,150 tokens a conversation, the seed's mean of
-~1.3 billion tokens over 1.1M). The steps build the packed batches (trainer.data.build_step) and skip the
+~1.3 billion tokens over 1.1M). The steps build the packed batches (trainer.packing.build_step) and skip the
 model forward: it reads nothing from the data path. The list path runs on the first --list-conversations
 samples of the same store (default: as many as 8 ranks can hold in half the machine's free memory at 34
 bytes per token), written as samples.jsonl.
@@ -46,7 +46,8 @@ def rank_child(kind: str, path: str, ready_at: float, steps_wanted: int, rank: i
     """One rank: open (store) or load (list), plan one epoch, build `steps_wanted` steps; print JSON."""
     import numpy as np
 
-    from trainer.data import Sample, build_step, load_samples, plan_epoch
+    from trainer.data import Sample, load_samples
+    from trainer.packing import build_step, plan_epoch
     from trainer.store import open_store
 
     # torch's one-time start-up on full-size rows (its library pages, its threads): not the data's

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data import DataError, build_step, plan_epoch, target_features
+from trainer.data import DataError
+from trainer.packing import build_step, plan_epoch, target_features
 from trainer.distributed import World
 from trainer.feature_wire import BatchReport, FeatureSpec, PendingBatch, send_batch, wait_sent
 from trainer.layout import Schedule

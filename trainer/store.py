@@ -6,7 +6,7 @@
         ids.npy     int32  [T]         token ids of every sample, back to back (T tokens in all)
         mask.npy    uint8  [T]         loss mask (1 on assistant tokens)
         offsets.npy int64  [N + 1]     sample i is ids[offsets[i]:offsets[i + 1]]
-        lengths.npy int32  [N]         tokens per sample (what plan_epoch packs)
+        lengths.npy int32  [N]         tokens per sample (what trainer.packing.plan_epoch packs)
         src_file.npy int32 [N]         index into the manifest's `inputs` of the sample's file
         src_line.npy int32 [N]         its line in that file ("file:line", as a Sample's source)
     <datasets root>/.tmp-tokens-<key>-<pid>/   a build in progress (never opened; removed by the next builder)

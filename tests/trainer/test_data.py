@@ -14,13 +14,11 @@ from trainer.data import (
     DataError,
     Sample,
     SkipReport,
-    build_step,
-    plan_epoch,
     read_conversations,
-    target_features,
     tokenize,
     tokenize_conversation,
 )
+from trainer.packing import build_step, plan_epoch, target_features
 from trainer.engines import hf_greedy_batch, regenerate
 from trainer.tiny import build_target_model, build_tokenizer
 

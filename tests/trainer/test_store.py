@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from trainer.config import TinyTargetConfig
-from trainer.data import Sample, SkipReport, plan_epoch, read_conversations, save_samples, tokenize
+from trainer.data import Sample, SkipReport, read_conversations, save_samples, tokenize
+from trainer.packing import plan_epoch
 from trainer.store import DATASETS_ENV, StoreError, datasets_root, open_store, store_dir, verify
 from trainer.storebuild import build_store
 from trainer.tiny import build_tokenizer, generate_prompts
@@ -256,7 +257,8 @@ def test_the_datasets_root_is_the_workdirs_shared_by_its_runs(tmp_path):
 _RANK = """
 import json, os, sys
 import numpy as np
-from trainer.data import Sample, build_step, load_samples, plan_epoch
+from trainer.data import Sample, load_samples
+from trainer.packing import build_step, plan_epoch
 from trainer.store import open_store
 
 def rss():
