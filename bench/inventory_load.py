@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT)]
 
 import yaml  # noqa: E402
 
-from orchestrator import inventory, located  # noqa: E402
+from orchestrator import inventory, yamlload  # noqa: E402
 from orchestrator.inventory_refs import check_references  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def dense_inventory(mb: float) -> str:
 
 
 class _Before(yaml.CSafeLoader):
-    """The first pass as it was (commit 4a5d31d's located.Loader and _DataLoader): libyaml's composer with
+    """The first pass as it was (commit 4a5d31d's located.Loader and _DataLoader, now yamlload's): libyaml's composer with
     scalar tags remembered per (value, implicit), PyYAML's safe constructor for every node, each mapping's
     length checked for a duplicate."""
 
@@ -92,7 +92,7 @@ class _Before(yaml.CSafeLoader):
 def before(text: str) -> inventory.Inventory:
     """The first load with the YAML pass as it was, then today's validation and checks (the import-time and
     reference-check changes are not part of the baseline)."""
-    with located.no_gc():
+    with yamlload.no_gc():
         loader = _Before(text)
         try:
             raw = loader.get_single_data()

@@ -24,7 +24,7 @@ import os
 
 from pydantic import ValidationError
 
-from orchestrator import located
+from orchestrator import located, yamlload
 from orchestrator.errors import InventoryError
 from orchestrator.inventory_file import (  # noqa: F401 - the lookup lives there, light enough for preconnect
     CONTAINER_HOME,
@@ -65,7 +65,7 @@ from orchestrator.inventory_refs import check_references
 from orchestrator.located import suggest  # noqa: F401 - used by the verbs' name lookups
 from orchestrator.records import state_dir
 
-# Where the plain data of large inventories is kept between commands (orchestrator.located's cache).
+# Where the plain data of large inventories is kept between commands (orchestrator.yamlload's cache).
 CACHE_DIR = "yaml-cache"
 
 
@@ -77,7 +77,7 @@ def parse_inventory(text: str, source: str = "inventory.yaml", *, cache: bool = 
         InventoryError: syntax, unknown keys, wrong types, bad names, dangling references; every problem
             on its own line as `FILE:LINE: key.path: what` (all of them, not just the first).
     """
-    with located.no_gc():
+    with yamlload.no_gc():
         return _parse(text, source, cache)
 
 

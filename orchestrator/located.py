@@ -1,18 +1,13 @@
-"""YAML in, plain data out, and every error at its `FILE:LINE`: the generic engine under orchestrator.inventory.
+"""Every error at its `FILE:LINE`: the generic engine under orchestrator.inventory, over orchestrator.yamlload.
 
 Loading is two passes, the second only when an error must be placed:
 
-- `load_data` parses with libyaml (PyYAML's CSafeLoader) straight to plain data: no line index, no node graph
-  kept; the plain str/map/seq nodes are built by one walk of ours, the rest by PyYAML's safe constructor.
-  A large file's data is also kept in a cache keyed by its text's SHA-256 (marshal, beside the state dir),
-  so the next command reads it back in a fraction of the parse (bench/inventory_load.py).
+- `load_data` is yamlload's first pass (libyaml straight to plain data, cached for large texts); a mapping
+  with fewer keys than entries there sends it to the second pass, which names the duplicate at both lines
+  (or finds a `<<` merge's override, which is no duplicate).
 - `key_lines` composes the same text again with its marks and maps every key path to its 1-based line,
   refusing duplicate keys at their line. It runs for a duplicate the first pass noticed, for validation or
   reference errors, and for `line_of`.
-
-Before either parses: a control character YAML cannot hold is one `FILE:LINE` error, and anchors/aliases are
-refused at the alias's line (a 300-byte alias bomb expands to billions of nodes). A text read back from the
-cache passed them when it was kept.
 
 `validation_errors` turns a pydantic ValidationError over the data into `FILE:LINE: key.path: what` lines
 (unknown keys get a "did you mean", a discriminated union's tag is left out of the path), and `place` does
@@ -21,16 +16,7 @@ the same for errors found by other checks (a list of (key path, message)).
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import functools
-import gc
-import hashlib
-import marshal
-import operator
-import os
-import re
-import sys
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,14 +25,9 @@ from typing import Annotated, Any, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from orchestrator import quoting
 from orchestrator.errors import InventoryError
 
-# Texts smaller than this parse faster than a cache file is written and read back.
-CACHE_MIN_BYTES = 256 * 1024
-CACHE_KEEP = 4
-# The format names the checks too: an entry is only written for a text that passed them.
-_CACHE_FORMAT = f"2-py{sys.version_info[0]}.{sys.version_info[1]}-pyyaml{yaml.__version__}"
+from orchestrator.yamlload import DuplicateKey, Loader, load_plain, no_gc, run_loader
 
 Lines = dict[tuple[str, ...], int]
 
@@ -57,270 +38,19 @@ def suggest(word: str, choices: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
-class DuplicateKey(Exception):
-    """The first pass found a mapping with fewer keys than entries (a duplicate key, or a `<<` merge's
-    override): the second pass says which and where."""
-
-
-# libyaml's C parser and composer (PyYAML's pure-Python composer took ~200 s on a 10 MB inventory); the
-# nodes it composes keep their marks, so the second pass still points every error at its line.
-_STR = "tag:yaml.org,2002:str"
-_MAP = "tag:yaml.org,2002:map"
-_SEQ = "tag:yaml.org,2002:seq"
-# Scalars whose constructed value is immutable and depends only on (tag, text): built once per distinct value.
-_SHARED = frozenset(f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool", "null"))
-
-
-_Base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class Loader(_Base):
-    """libyaml's loader, faster for an inventory's shape (bench/inventory_load.py), with the same results:
-
-    - the C composer calls three resolver methods for every node; implicit-tag resolution is memoised per
-      load in C (functools.cache: a value seen before costs no Python call; an inventory repeats the same
-      few values thousands of times), and the two that only track paths for path resolvers are C no-ops;
-    - the data is built from the node graph by one walk for the plain str/map/seq nodes (PyYAML's generic
-      constructor costs ~3 us a node); every other node (an int, a date, a `<<` merge, a non-text key, an
-      explicit tag) goes to that constructor, so the data and its errors are exactly the safe loader's.
-    """
-
-    _refuse_duplicates = False  # the first pass: a mapping shorter than its entries raises DuplicateKey
-
-    if not _Base.yaml_path_resolvers:  # (yaml's add_path_resolver: none here)
-        descend_resolver = operator.is_  # (parent, index) -> ignored
-        ascend_resolver = tuple  # () -> ignored
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        if not self.yaml_path_resolvers:  # then a tag depends on (kind, value, implicit) alone
-            self.resolve = functools.cache(self.resolve)
-
-    def dispose(self):
-        super().dispose()
-        self.__dict__.pop("resolve", None)  # the memo (and the loader it refers back to) freed now
-
-    def get_single_data(self):
-        node = self.get_single_node()
-        if node is None:
-            return None
-        return _Builder(self).value(node)
-
-
-class _Builder:
-    """The walk of Loader.get_single_data: plain str/map/seq nodes built here, everything else by the loader's
-    own constructor (`construct_object`, deep), whose result for an immutable scalar is shared by value."""
-
-    def __init__(self, loader: Loader):
-        self.construct = loader.construct_object
-        self.refuse_duplicates = loader._refuse_duplicates
-        self.shared: dict = {}
-
-    def value(self, node):
-        cls = node.__class__
-        if cls is yaml.ScalarNode:
-            return node.value if node.tag == _STR else self.scalar(node)
-        if cls is yaml.MappingNode and node.tag == _MAP:
-            return self.mapping(node)
-        if cls is yaml.SequenceNode and node.tag == _SEQ:
-            return self.sequence(node)
-        return self.generic(node)
-
-    def generic(self, node):
-        """The safe constructor's value of `node`; a value its tag cannot hold (`!!int x`, a 13th month) is a
-        YAML error at the node's line, like every other."""
-        try:
-            return self.construct(node, deep=True)
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{node.tag.rpartition(':')[2] or node.tag} value {_shown(node)} is not valid ({exc})",
-                node.start_mark) from None
-
-    def scalar(self, node):
-        if node.tag not in _SHARED:
-            return self.generic(node)
-        key = (node.tag, node.value)
-        try:
-            return self.shared[key]
-        except KeyError:
-            out = self.shared[key] = self.generic(node)
-            return out
-
-    def mapping(self, node):
-        out = {}
-        value, scalar, mapping, sequence = self.value, yaml.ScalarNode, self.mapping, self.sequence
-        for k, v in node.value:
-            if k.__class__ is not scalar or k.tag != _STR:  # a merge, a `=` key, a non-text key: the constructor's
-                out = self.generic(node)
-                break
-            cls = v.__class__
-            if cls is scalar:
-                out[k.value] = v.value if v.tag == _STR else self.scalar(v)
-            elif cls is yaml.MappingNode and v.tag == _MAP:
-                out[k.value] = mapping(v)
-            elif cls is yaml.SequenceNode and v.tag == _SEQ:
-                out[k.value] = sequence(v)
-            else:
-                out[k.value] = value(v)
-        if self.refuse_duplicates and len(out) != len(node.value):
-            raise DuplicateKey
-        return out
-
-    def sequence(self, node):
-        out = []
-        append, scalar = out.append, yaml.ScalarNode
-        for v in node.value:
-            if v.__class__ is scalar:
-                append(v.value if v.tag == _STR else self.scalar(v))
-            else:
-                append(self.value(v))
-        return out
-
-
-def _shown(node) -> str:
-    return repr(node.value) if isinstance(node.value, str) else f"at column {node.start_mark.column + 1}"
-
-
-class _DataLoader(Loader):
-    """The first pass: plain data; a mapping whose dict is shorter than its entries raises DuplicateKey."""
-
-    _refuse_duplicates = True
-
-    def construct_mapping(self, node, deep=False):
-        mapping = super().construct_mapping(node, deep=deep)
-        if len(mapping) != len(node.value):
-            raise DuplicateKey
-        return mapping
-
-
-# What YAML itself refuses as text (YAML 1.1 printable set): C0 controls but TAB, LF, CR; DEL; C1 but NEL;
-# surrogates; U+FFFE/U+FFFF. Found here first so the error names the line, not a byte offset.
-_UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x84\x86-\x9f\ud800-\udfff\ufffe\uffff]")
-
-
-def refuse_unprintable(text: str, source: str, fixable: bool = True) -> None:
-    """Raise one InventoryError naming the line and column of the first character YAML cannot hold.
-    `fixable`: `source` is a file the user can clean with the printed `tr` line."""
-    m = _UNPRINTABLE.search(text)
-    if m is None:
-        return
-    line = text.count("\n", 0, m.start()) + 1
-    column = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
-    code = ord(m.group())
-    fix = f"delete the character at line {line}, column {column} of {source}"
-    if code == 0 and fixable:  # NUL: a whole-file cleanup, runnable as printed
-        f = quoting.render([source])
-        fix = f"tr -d '\\000' < {f} > {f}.new && mv {f}.new {f}"
-    raise InventoryError(
-        f"{source}:{line}: control character U+{code:04X}{' (NUL)' if code == 0 else ''} at column {column}; "
-        "YAML text cannot hold it", fix=fix)
-
-
-def refuse_aliases(text: str, source: str) -> None:
-    """Refuse YAML anchors/aliases: one 300-byte alias bomb expands to billions of nodes in every walk over
-    the document (line index, validation). No inventory needs them; the error names the first alias's line.
-
-    Only a text with an `&` can define an anchor, so the usual inventory pays nothing; otherwise the C parser's
-    events are read once (no nodes built) before anything is composed."""
-    if "&" not in text:
-        return
-    scan = Loader(text)
-    try:
-        while scan.check_event():
-            event = scan.get_event()
-            if isinstance(event, yaml.AliasEvent):
-                line = event.start_mark.line + 1
-                raise InventoryError(
-                    f"{source}:{line}: YAML alias *{event.anchor}: anchors and aliases are not accepted in an "
-                    "inventory (a few aliases can expand to billions of entries)",
-                    fix=f"write the entry out in full at line {line} of {source} instead of *{event.anchor}",
-                )
-    finally:
-        scan.dispose()
-
-
-def _yaml_error(exc: yaml.YAMLError, source: str) -> InventoryError:
-    if isinstance(exc, yaml.MarkedYAMLError):
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = " ".join(p for p in (exc.context, exc.problem) if p)
-        return InventoryError(f"{where}: YAML syntax error: {problem}", fix="fix the YAML at that line")
-    return InventoryError(f"{source}: YAML error: {' '.join(str(exc).split())}", fix=f"fix the YAML in {source}")
-
-
-@contextlib.contextmanager
-def no_gc():
-    """The cyclic GC off for a block that builds a large acyclic graph (a YAML document, its models): each
-    collection would walk everything built so far again (on a 10 MB inventory, 3x the validation's time)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _run(loader_cls, text: str, source: str, fn):
-    """fn(loader) on a fresh loader of `text`, the cyclic GC off (it would walk the growing graph again and
-    again; it holds no cycles until done); a YAML error becomes one `FILE:LINE` InventoryError."""
-    loader = loader_cls(text)
-    try:
-        with no_gc():
-            return fn(loader)
-    except yaml.YAMLError as exc:
-        raise _yaml_error(exc, source) from None
-    finally:
-        loader.dispose()
-
-
 def load_data(text: str, source: str, *, fixable: bool = True, cache_dir: Path | None = None) -> Any:
-    """The plain data of YAML `text`: the first pass (`cache_dir`: where large texts' data is kept).
+    """The plain data of YAML `text`: yamlload's first pass (`cache_dir`: where large texts' data is kept).
 
     Raises:
         InventoryError: a control character, a YAML syntax error, an alias or a duplicate key, as one
             `FILE:LINE: what` line.
     """
-    path = _cache_path(text, cache_dir)
-    if path is not None:
-        try:  # only a text that passed every check below was kept, under this format's key
-            return marshal.loads(path.read_bytes())
-        except (OSError, EOFError, ValueError, TypeError):
-            pass  # no entry yet (or a torn one): parse
-    refuse_unprintable(text, source, fixable)
-    refuse_aliases(text, source)
     try:
-        data = _run(_DataLoader, text, source, lambda ld: ld.get_single_data())
+        return load_plain(text, source, fixable=fixable, cache_dir=cache_dir)
     except DuplicateKey:
         key_lines(text, source)  # raises at the duplicate's line
         # None there: a `<<` merge, whose overrides are not duplicates.
-        data = _run(Loader, text, source, lambda ld: ld.get_single_data())
-    if path is not None:
-        _cache_store(path, data)
-    return data
-
-
-def _cache_path(text: str, cache_dir: Path | None) -> Path | None:
-    if cache_dir is None or len(text) < CACHE_MIN_BYTES:
-        return None
-    digest = hashlib.sha256(f"{_CACHE_FORMAT}\n".encode() + text.encode("utf-8", "surrogatepass")).hexdigest()
-    return cache_dir / f"{digest}.marshal"
-
-
-def _cache_store(path: Path, data: Any) -> None:
-    """Keep `data` for the same text's next load (atomic; the CACHE_KEEP newest entries stay). Best effort:
-    data marshal cannot hold (a YAML date) or a full disk only costs the next load its parse."""
-    try:
-        blob = marshal.dumps(data)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
-        old = sorted(path.parent.glob("*.marshal"), key=lambda p: p.stat().st_mtime, reverse=True)[CACHE_KEEP:]
-        for p in old:
-            p.unlink(missing_ok=True)
-    except (OSError, ValueError):
-        pass
+        return load_plain(text, source, fixable=fixable, cache_dir=cache_dir, merges=True)
 
 
 def key_lines(text: str, source: str) -> Lines:
@@ -329,7 +59,7 @@ def key_lines(text: str, source: str) -> Lines:
     Raises:
         InventoryError: a duplicate key (both lines named), or what load_data raises.
     """
-    node = _run(Loader, text, source, lambda ld: ld.get_single_node())
+    node = run_loader(Loader, text, source, lambda ld: ld.get_single_node())
     lines: Lines = {}
 
     def walk(n, path: tuple[str, ...]) -> None:
@@ -489,5 +219,4 @@ def validation_errors(exc: ValidationError, raw: Any, lines: Lines, source: str,
     return [text for _, text in sorted(out, key=lambda item: item[0])]
 
 
-__all__ = ["CACHE_MIN_BYTES", "Lines", "Loader", "key_lines", "line_for", "load_data", "no_gc", "place", "refuse_aliases",
-           "refuse_unprintable", "suggest", "validation_errors"]
+__all__ = ["Lines", "key_lines", "line_for", "load_data", "place", "suggest", "validation_errors"]

@@ -442,16 +442,16 @@ def test_the_loader_is_libyaml_and_keeps_lines(tmp_path):
     measures it) still gives every key its line."""
     import yaml
 
-    from orchestrator import located
+    from orchestrator import yamlload
 
-    assert issubclass(located.Loader, yaml.CSafeLoader)
+    assert issubclass(yamlload.Loader, yaml.CSafeLoader)
     inv = load_inventory(write(tmp_path, BASE))
     assert inv.line_of("experiments", "cmd", "gpus") == line_of(BASE, "gpus: [0, 1]")
     assert inv.line_of("targets", "ct200", "ctid") == line_of(BASE, "ctid: 200")
 
 
 def big_inventory(n: int, ctid_of_last: int = 999) -> str:
-    """An inventory over located.CACHE_MIN_BYTES: n container targets, the last with `ctid_of_last`."""
+    """An inventory over yamlload.CACHE_MIN_BYTES: n container targets, the last with `ctid_of_last`."""
     rows = [f"  ct{i}: {{kind: container, host: pve, ctid: {100 + i if i < n - 1 else ctid_of_last}}}"
             for i in range(n)]
     return "hosts:\n  pve: {ssh: pve.lan}\ntargets:\n" + "\n".join(rows) + "\nvenvs:\n  cuda: {kind: uv}\n"
@@ -460,19 +460,19 @@ def big_inventory(n: int, ctid_of_last: int = 999) -> str:
 def test_a_large_inventory_is_read_back_from_the_cache_and_a_changed_one_is_not(tmp_path, monkeypatch):
     """A large text's data is kept in the state dir, keyed by the text itself: the same text again is read
     back (no parse), one changed byte is parsed anew, and a duplicate key is still found at its line."""
-    from orchestrator import located
+    from orchestrator import yamlload
 
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
     text = big_inventory(6000)
-    assert len(text) > located.CACHE_MIN_BYTES
+    assert len(text) > yamlload.CACHE_MIN_BYTES
     path = write(tmp_path, text)
     assert load_inventory(str(path)).targets["ct5999"].ctid == 999
     cached = list((tmp_path / "state" / "yaml-cache").glob("*.marshal"))
     assert len(cached) == 1
 
     parsed = []
-    real = located.Loader.get_single_data
-    monkeypatch.setattr(located.Loader, "get_single_data", lambda self: parsed.append(1) or real(self))
+    real = yamlload.Loader.get_single_data
+    monkeypatch.setattr(yamlload.Loader, "get_single_data", lambda self: parsed.append(1) or real(self))
     again = load_inventory(str(path))
     assert parsed == [] and again.targets["ct5999"].ctid == 999
     assert again.line_of("targets", "ct5999") == 6003  # the located pass, on demand
