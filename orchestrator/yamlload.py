@@ -18,14 +18,17 @@ import gc
 import hashlib
 import marshal
 import operator
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from orchestrator import quoting
+from orchestrator import quoting, yamlsplit
 from orchestrator.agent import atomic
 from orchestrator.errors import InventoryError
 
@@ -33,7 +36,7 @@ from orchestrator.errors import InventoryError
 CACHE_MIN_BYTES = 256 * 1024
 CACHE_KEEP = 4
 # The format names the checks too: an entry is only written for a text that passed them.
-_CACHE_FORMAT = f"2-py{sys.version_info[0]}.{sys.version_info[1]}-pyyaml{yaml.__version__}"
+_CACHE_FORMAT = f"3-py{sys.version_info[0]}.{sys.version_info[1]}-pyyaml{yaml.__version__}"
 
 class DuplicateKey(Exception):
     """The first pass found a mapping with fewer keys than entries (a duplicate key, or a `<<` merge's
@@ -266,15 +269,95 @@ def load_plain(text: str, source: str, *, fixable: bool = True, cache_dir: Path 
     path = _cache_path(text, cache_dir)
     if path is not None:
         try:  # only a text that passed every check below was kept, under this format's key
-            return marshal.loads(path.read_bytes())
+            return _from_cache(marshal.loads(path.read_bytes()))
         except (OSError, EOFError, ValueError, TypeError):
             pass  # no entry yet (or a torn one): parse
-    refuse_unprintable(text, source, fixable)
-    refuse_aliases(text, source)
-    data = run_loader(Loader if merges else _DataLoader, text, source, lambda ld: ld.get_single_data())
+    split = not merges and len(text) >= yamlsplit.SPLIT_MIN_BYTES
+    second = _start_second_half(text) if split else None  # its interpreter starts while the checks run
+    try:
+        refuse_unprintable(text, source, fixable)
+        refuse_aliases(text, source)
+    except InventoryError:
+        if second is not None:
+            second[1].kill()
+            second[1].wait()
+        raise
+    data, kept = (None, None) if second is None else _first_half_and_merge(text, source, *second, path is not None)
+    if data is None:  # the whole text in this process (and every error from this one parse)
+        data = run_loader(Loader if merges else _DataLoader, text, source, _data)
     if path is not None:
-        _cache_store(path, data)
+        _cache_store(path, data if kept is None else kept)
     return data
+
+
+def _from_cache(entry: Any) -> Any:
+    """A cache entry's data: the data itself, or ("halves", key, first, second), the two halves' marshal
+    bytes as the two-process first pass had them (a tuple: YAML data has lists, never tuples)."""
+    if isinstance(entry, tuple) and len(entry) == 4 and entry[0] == "halves":
+        with no_gc():
+            merged = yamlsplit.merge(marshal.loads(entry[2]), marshal.loads(entry[3]), entry[1])
+        if merged is None:
+            raise ValueError("a cache entry whose halves do not merge")
+        return merged
+    return entry
+
+
+def _data(loader: Loader) -> Any:
+    return loader.get_single_data()
+
+
+def _start_second_half(text: str) -> tuple[tuple[str, str, int], subprocess.Popen] | None:
+    """A large text's first pass in two processes (orchestrator.yamlsplit: where the text can be cut so that
+    its halves' data merge into its own): the second half's, started now in a new interpreter (`python -m
+    orchestrator.yamlload`, its data back as marshal on a pipe). None where the text has no safe cut."""
+    cut = yamlsplit.split_point(text)
+    if cut is None:
+        return None
+    root = str(Path(__file__).resolve().parent.parent)  # where this package is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    # The second half goes by a file, read at the child's own pace: through a pipe it would wait for this
+    # process's turns at the GIL, which the first half's parse holds.
+    with tempfile.TemporaryFile() as half:
+        half.write(yamlsplit.halves(text, cut)[1].encode("utf-8", "surrogatepass"))
+        half.seek(0)
+        child = subprocess.Popen([sys.executable, "-m", "orchestrator.yamlload"], stdin=half,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    return cut, child
+
+
+def _first_half_and_merge(text: str, source: str, cut: tuple[str, str, int], child: subprocess.Popen,
+                          keep: bool) -> tuple[dict | None, tuple | None]:
+    """The first half parsed here while `child` parses the second, then their data merged: (data, its cache
+    entry when `keep`: the first half's marshal bytes are made while the child may still be parsing, the
+    second's are the child's own). (None, None) where a half does not parse or the halves do not fit together:
+    the caller then parses the whole text, and names its errors from that one parse."""
+    try:
+        first = run_loader(_DataLoader, yamlsplit.halves(text, cut)[0], source, _data)
+    except (InventoryError, DuplicateKey):
+        first = None
+        child.kill()
+    first_blob = marshal.dumps(first) if keep and first is not None else None
+    second_blob = child.stdout.read()
+    child.stdout.close()
+    if child.wait() != 0 or first is None:
+        return None, None
+    with no_gc():
+        merged = yamlsplit.merge(first, marshal.loads(second_blob), cut[0])
+    if merged is None or first_blob is None:
+        return merged, None
+    return merged, ("halves", cut[0], first_blob, second_blob)
+
+
+def _second_half() -> int:
+    """`python -m orchestrator.yamlload`: stdin's YAML text through the first pass, its data as marshal on
+    stdout; exit 3 where it does not parse or marshal cannot hold it (the parent then parses the whole text)."""
+    text = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
+    try:
+        blob = marshal.dumps(run_loader(_DataLoader, text, "<second half>", _data))
+    except (InventoryError, DuplicateKey, ValueError):
+        return 3
+    sys.stdout.buffer.write(blob)
+    return 0
 
 
 def _cache_path(text: str, cache_dir: Path | None) -> Path | None:
@@ -296,3 +379,7 @@ def _cache_store(path: Path, data: Any) -> None:
             p.unlink(missing_ok=True)
     except (OSError, ValueError):
         pass
+
+
+if __name__ == "__main__":
+    sys.exit(_second_half())

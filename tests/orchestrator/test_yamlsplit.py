@@ -1,0 +1,170 @@
+"""A large inventory's first pass in two processes (orchestrator.yamlsplit, yamlload's second half): it must
+give exactly what the whole text gives in one process, data or error, wherever the cut falls: inside quoted
+and block scalars, multi-line flow collections, comments, sections after the cut, keys in both halves. The
+split is forced on small texts here (SPLIT_MIN_BYTES 0), so each example runs a real second interpreter."""
+
+from __future__ import annotations
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pytest
+
+from orchestrator import located, yamlload, yamlsplit
+from orchestrator.errors import InventoryError
+
+
+def whole(text: str):
+    """located.load_data in one process: the data, or the InventoryError's text."""
+    return _load(text, split=False)
+
+
+def split(text: str):
+    return _load(text, split=True)
+
+
+def _load(text: str, split: bool):
+    old = yamlsplit.SPLIT_MIN_BYTES
+    yamlsplit.SPLIT_MIN_BYTES = 0 if split else 1 << 62
+    try:
+        return located.load_data(text, "inv.yaml")
+    except InventoryError as exc:
+        return ("error", str(exc), exc.fix)
+    finally:
+        yamlsplit.SPLIT_MIN_BYTES = old
+
+
+def entries(n: int, start: int = 0) -> str:
+    return "".join(f"  exp-{i}:\n    kind: command\n    gpus: [{i % 8}, 1]\n    env: {{A: '{i}'}}\n"
+                   for i in range(start, start + n))
+
+
+PLAIN = "hosts:\n  pve: {ssh: pve.lan}\nexperiments:\n" + entries(40) + "venvs:\n  v: {kind: uv}\n"
+
+
+def test_the_cut_starts_an_entry_of_the_largest_block_mapping_and_the_halves_merge_to_the_whole():
+    key, header, at = yamlsplit.split_point(PLAIN)
+    assert (key, header) == ("experiments", "experiments:")
+    assert PLAIN[at:].startswith("  exp-") and PLAIN[at - 1] == "\n"
+    first, second = yamlsplit.halves(PLAIN, (key, header, at))
+    assert second.startswith("experiments:\n  exp-")
+    merged = yamlsplit.merge(yaml.safe_load(first), yaml.safe_load(second), key)
+    assert merged == yaml.safe_load(PLAIN) and list(merged) == ["hosts", "experiments", "venvs"]
+    assert list(merged["experiments"]) == [f"exp-{i}" for i in range(40)]  # the order of the whole text
+
+
+def test_the_second_half_really_parses_in_another_process_and_the_result_is_the_whole_texts(monkeypatch):
+    monkeypatch.setattr(yamlsplit, "SPLIT_MIN_BYTES", 0)
+    started = yamlload._start_second_half(PLAIN)
+    assert started is not None
+    cut, child = started
+    assert child.pid and child.args[1:] == ["-m", "orchestrator.yamlload"]
+    data, kept = yamlload._first_half_and_merge(PLAIN, "inv.yaml", cut, child, True)
+    assert data == yaml.safe_load(PLAIN) and child.returncode == 0
+    assert kept[:2] == ("halves", "experiments")
+
+
+@pytest.mark.parametrize("text", [
+    "%YAML 1.1\n---\nexperiments:\n" + entries(6),                      # a directive, a document marker
+    "experiments:\n" + entries(6) + "...\n",                             # a document end
+    "experiments:\n" + entries(3) + "\tbad: tab\n" + entries(3, 3),      # a tab at a line's start
+    "experiments: {}\n" + "x:\n" + entries(1),                           # the largest section is not a block
+    "experiments:\n" + "".join(f"  - item {i}\n" for i in range(20)),    # a sequence
+    "experiments:\n# only comments\n",                                   # no entry
+])
+def test_no_cut_where_the_text_could_be_read_another_way(text):
+    assert yamlsplit.split_point(text) is None
+
+
+TRICKY = [
+    # A double-quoted scalar whose continuation line, at the entries' indentation, looks like an entry.
+    'experiments:\n' + entries(10) + '  odd: "first\n  exp-x: not a key"\n' + entries(10, 10),
+    # A multi-line flow mapping whose second line looks like an entry.
+    'experiments:\n' + entries(10) + '  flow: {a: 1,\n  exp-y: 2}\n' + entries(10, 10),
+    # A block scalar whose lines look like entries one level deeper.
+    'experiments:\n' + entries(10) + '  text: |\n    exp-z: 1\n     indented\n' + entries(10, 10),
+    # Comments at every indentation, blank lines, a key with a comment after it.
+    'experiments:   # the runs\n' + entries(10) + '\n# between\n  # indented\n\n' + entries(10, 10)
+    + 'venvs:\n  v: {kind: uv}\n',
+    # The same experiment in both halves: one duplicate, named at both lines by the whole parse.
+    'experiments:\n' + entries(12) + entries(12, 12) + '  exp-1:\n    kind: command\n',
+    # A top-level key of the first half repeated after the section.
+    'hosts:\n  a: {ssh: a}\nexperiments:\n' + entries(20) + 'hosts:\n  b: {ssh: b}\n',
+    # A YAML error in the second half: its line is the whole text's.
+    'experiments:\n' + entries(15) + '  broken: [1, 2\n' + entries(5, 15),
+    # A value the safe loader refuses in the second half.
+    'experiments:\n' + entries(15) + '  bad: !!python/object:os.system x\n',
+    # A date in the second half: marshal cannot hold it, so the child says no and the whole text is parsed.
+    'experiments:\n' + entries(15) + '  when: 2026-12-03\n',
+]
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_a_cut_anywhere_gives_what_the_whole_text_gives(text):
+    assert split(text) == whole(text)
+
+
+@st.composite
+def inventories(draw):
+    """Inventory-like texts: a few top-level sections, one large block mapping whose entries take every shape
+    a cut could fall inside."""
+    def value(i: int) -> str:
+        return draw(st.sampled_from([
+            f"{{kind: command, gpus: [{i}]}}\n",
+            f"'quoted: {i}'\n",
+            f'"two\n  exp-{i}x: lines"\n',
+            f"{{a: {i},\n  exp-{i}y: 2}}\n",
+            f"|\n    exp-{i}z: block\n    more\n",
+            f">\n    folded {i}\n\n    para\n",
+            f"plain {i}\n    continued\n",
+            f"\n    kind: command\n    env: {{K: '{i}'}}\n",
+            "[1, 2,\n    3]\n",
+            "\n    - a\n    - b\n",
+        ]))
+
+    n = draw(st.integers(2, 24))
+    names = draw(st.lists(st.sampled_from([f"exp-{i}" for i in range(30)]), min_size=n, max_size=n, unique=True))
+    body = "".join(f"  {name}: {value(i)}" + draw(st.sampled_from(["", "# c\n", "  # c\n", "\n"]))
+                   for i, name in enumerate(names))
+    before = draw(st.sampled_from(["", "hosts:\n  pve: {ssh: pve.lan}\n"]))
+    after = draw(st.sampled_from(["", "venvs:\n  v: {kind: uv}\n", "hosts:\n  x: {ssh: x}\n"]))
+    return before + "experiments:\n" + body + after
+
+
+@pytest.mark.slow  # a second interpreter per example: over ~4 s
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=inventories())
+def test_split_and_whole_agree_on_generated_inventories(text):
+    got = split(text)
+    assert got == whole(text)
+    if not isinstance(got, tuple):  # parsed: and as PyYAML's own safe loader reads it
+        assert got == yaml.safe_load(text)
+
+
+def test_a_large_inventory_is_cut_and_merged_exactly(tmp_path):
+    """Above SPLIT_MIN_BYTES for real (no forcing): the cut is found, and the data is the whole parse's."""
+    text = "hosts:\n  pve: {ssh: pve.lan}\nexperiments:\n" + entries(32000) + "venvs:\n  v: {kind: uv}\n"
+    assert len(text) > yamlsplit.SPLIT_MIN_BYTES
+    cut = yamlsplit.split_point(text)
+    assert cut is not None and 0.3 < cut[2] / len(text) < 0.7
+    assert located.load_data(text, "inv.yaml") == whole(text)
+
+
+def test_a_split_load_is_cached_as_its_halves_and_read_back_without_a_parse(tmp_path, monkeypatch):
+    import marshal
+
+    text = "hosts:\n  pve: {ssh: pve.lan}\nexperiments:\n" + entries(4000) + "venvs:\n  v: {kind: uv}\n"
+    assert len(text) > yamlload.CACHE_MIN_BYTES
+    monkeypatch.setattr(yamlsplit, "SPLIT_MIN_BYTES", 0)
+    first = yamlload.load_plain(text, "inv.yaml", cache_dir=tmp_path)
+    assert first == whole(text)
+    [entry] = tmp_path.glob("*.marshal")
+    kept = marshal.loads(entry.read_bytes())
+    assert isinstance(kept, tuple) and kept[:2] == ("halves", "experiments")  # the child's bytes, not re-made
+    parsed = []
+    real = yamlload.Loader.get_single_data
+    monkeypatch.setattr(yamlload.Loader, "get_single_data", lambda self: parsed.append(1) or real(self))
+    assert yamlload.load_plain(text, "inv.yaml", cache_dir=tmp_path) == first and parsed == []
+    entry.write_bytes(marshal.dumps(("halves", "experiments", marshal.dumps({}), marshal.dumps([]))))
+    assert yamlload.load_plain(text, "inv.yaml", cache_dir=tmp_path) == first and parsed  # a bad entry: parsed again
