@@ -96,6 +96,12 @@ MODULES: dict[str, dict] = {
         "tests": ["tests/orchestrator/test_signatures.py", "tests/orchestrator/test_signatures_property.py",
                   "tests/orchestrator/test_sigmatch_scan.py"],
     },
+    "inventory split": {  # where a large inventory is cut in two for two processes, and the halves merged
+        "files": ["orchestrator/yamlsplit.py"],
+        "functions": ["orchestrator.yamlsplit.x_split_point__*", "orchestrator.yamlsplit.x__middle__*",
+                      "orchestrator.yamlsplit.x_halves__*", "orchestrator.yamlsplit.x_merge__*"],
+        "tests": ["tests/orchestrator/test_yamlsplit.py"],
+    },
     "launch lock": {
         "files": ["orchestrator/agent/launchlock.py"],
         "functions": ["orchestrator.agent.launchlock.xǁLaunchLockǁ*"],
