@@ -168,3 +168,21 @@ def test_a_split_load_is_cached_as_its_halves_and_read_back_without_a_parse(tmp_
     assert yamlload.load_plain(text, "inv.yaml", cache_dir=tmp_path) == first and parsed == []
     entry.write_bytes(marshal.dumps(("halves", "experiments", marshal.dumps({}), marshal.dumps([]))))
     assert yamlload.load_plain(text, "inv.yaml", cache_dir=tmp_path) == first and parsed  # a bad entry: parsed again
+
+
+def test_the_cut_balances_the_nodes_not_the_bytes():
+    """Dense one-line entries first (many nodes a byte), long sparse ones after: the cut falls where the
+    separators (`:`, `,`, line ends: about one node each) are half counted, far from the byte middle."""
+    dense = "".join(f"  d{i}: {{a: 1, b: 2, c: 3, d: 4, e: 5}}\n" for i in range(3000))
+    sparse = "".join(f"  s{i}: {'x' * 120}\n" for i in range(3000))
+    text = "experiments:\n" + dense + sparse
+    seps = [i for i, ch in enumerate(text) if ch in ":,\n"]
+    want = seps[len(seps) // 2]  # the offset with as many separators before it as after
+    got = yamlsplit._middle(text)
+    assert abs(got - want) < 4096, (got, want, len(text))
+    assert got < len(text) * 0.4  # the byte middle would give the first half twice the nodes
+    cut = yamlsplit.split_point(text)
+    assert 0 <= cut[2] - got < 200 and text[cut[2]:cut[2] + 3] == "  d"  # the next entry after the middle
+    first, second = yamlsplit.halves(text, cut)
+    weight = [sum(half.count(c) for c in ":,\n") for half in (first, second)]
+    assert abs(weight[0] - weight[1]) < 0.05 * sum(weight), weight
