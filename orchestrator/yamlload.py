@@ -317,11 +317,14 @@ def _start_second_half(text: str) -> tuple[tuple[str, str, int], subprocess.Pope
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     # The second half goes by a file, read at the child's own pace: through a pipe it would wait for this
     # process's turns at the GIL, which the first half's parse holds.
-    with tempfile.TemporaryFile() as half:
-        half.write(yamlsplit.halves(text, cut)[1].encode("utf-8", "surrogatepass"))
-        half.seek(0)
-        child = subprocess.Popen([sys.executable, "-m", "orchestrator.yamlload"], stdin=half,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        with tempfile.TemporaryFile() as half:
+            half.write(yamlsplit.halves(text, cut)[1].encode("utf-8", "surrogatepass"))
+            half.seek(0)
+            child = subprocess.Popen([sys.executable, "-m", "orchestrator.yamlload"], stdin=half,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    except OSError:  # no room for the temporary file, no process to spare: one process does it all
+        return None
     return cut, child
 
 

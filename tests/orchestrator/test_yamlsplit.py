@@ -186,3 +186,15 @@ def test_the_cut_balances_the_nodes_not_the_bytes():
     first, second = yamlsplit.halves(text, cut)
     weight = [sum(half.count(c) for c in ":,\n") for half in (first, second)]
     assert abs(weight[0] - weight[1]) < 0.05 * sum(weight), weight
+
+
+def test_no_second_process_to_be_had_is_the_one_process_parse(monkeypatch):
+    """A second interpreter that cannot start (no process or file to spare) costs the split, not the load."""
+    import subprocess
+
+    def refuse(*args, **kw):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(yamlsplit, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    assert located.load_data(PLAIN, "inv.yaml") == yaml.safe_load(PLAIN)
