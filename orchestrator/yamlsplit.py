@@ -48,8 +48,8 @@ def split_point(text: str) -> tuple[str, str, int] | None:
     if head is None:
         return None
     first = _FIRST_ENTRY.search(text, start + len(header), end)
-    if first is None or first.group(2) == "-":
-        return None  # an empty section, or a sequence
+    if first is None:
+        return None  # an empty section (a sequence has no cut: its lines at its indentation start with "- ")
     indent = len(first.group(1))
     entry = re.compile(f"^ {{{indent}}}{_KEY}", re.M)
     cut = entry.search(text, max(_middle(text), first.end()), end)
@@ -69,7 +69,7 @@ def _middle(text: str, block: int = 1 << 16) -> int:
             start = i * block
             return start + int(min(block, len(text) - start) * (half - seen) / max(w, 1))
         seen += w
-    return len(text) // 2
+    return 0  # an empty text (otherwise the last block always crosses the half)
 
 
 def halves(text: str, cut: tuple[str, str, int]) -> tuple[str, str]:

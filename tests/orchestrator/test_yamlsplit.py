@@ -72,6 +72,7 @@ def test_the_second_half_really_parses_in_another_process_and_the_result_is_the_
     "experiments: {}\n" + "x:\n" + entries(1),                           # the largest section is not a block
     "experiments:\n" + "".join(f"  - item {i}\n" for i in range(20)),    # a sequence
     "experiments:\n# only comments\n",                                   # no entry
+    "---\nexperiments:\n" + entries(6),                                  # a marker on the very first line
 ])
 def test_no_cut_where_the_text_could_be_read_another_way(text):
     assert yamlsplit.split_point(text) is None
@@ -95,6 +96,10 @@ TRICKY = [
     'experiments:\n' + entries(15) + '  broken: [1, 2\n' + entries(5, 15),
     # A value the safe loader refuses in the second half.
     'experiments:\n' + entries(15) + '  bad: !!python/object:os.system x\n',
+    # The section's last entry holds the middle (a long block scalar) and a section with the same indentation
+    # follows: no cut there (its entries belong to another mapping).
+    'experiments:\n' + entries(3) + '  notes: |\n' + "".join(f"    line {i}: text\n" for i in range(400))
+    + 'venvs:\n  v: {kind: uv}\n  w: {kind: uv}\n',
     # A date in the second half: marshal cannot hold it, so the child says no and the whole text is parsed.
     'experiments:\n' + entries(15) + '  when: 2026-12-03\n',
 ]
@@ -174,7 +179,7 @@ def test_the_cut_balances_the_nodes_not_the_bytes():
     """Dense one-line entries first (many nodes a byte), long sparse ones after: the cut falls where the
     separators (`:`, `,`, line ends: about one node each) are half counted, far from the byte middle."""
     dense = "".join(f"  d{i}: {{a: 1, b: 2, c: 3, d: 4, e: 5}}\n" for i in range(3000))
-    sparse = "".join(f"  s{i}: {'x' * 120}\n" for i in range(3000))
+    sparse = "".join(f"  s{i}: {'X' * 120}\n" for i in range(3000))  # (capitals: a letter no separator)
     text = "experiments:\n" + dense + sparse
     seps = [i for i, ch in enumerate(text) if ch in ":,\n"]
     want = seps[len(seps) // 2]  # the offset with as many separators before it as after
@@ -198,3 +203,33 @@ def test_no_second_process_to_be_had_is_the_one_process_parse(monkeypatch):
     monkeypatch.setattr(yamlsplit, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(subprocess, "Popen", refuse)
     assert located.load_data(PLAIN, "inv.yaml") == yaml.safe_load(PLAIN)
+
+
+def test_the_middle_is_interpolated_inside_the_block_that_crosses_the_half():
+    """Blocks of 1000 characters, the separators all in the last, partial one: the middle is inside it,
+    where half of them are behind (not at the block's start, nor past the text's end)."""
+    text = "a" * 2000 + "b:c\n" * 125  # 2500 characters; 375 separators from offset 2000
+    got = yamlsplit._middle(text, block=1000)
+    assert 2240 <= got <= 2260, got
+
+
+def test_the_cut_takes_the_indentation_of_the_largest_sections_own_entries():
+    """A section indented by four just before the largest one (indented by two): the cut is one of the
+    largest section's entries, at two."""
+    text = "hosts:\n    pve: {ssh: pve.lan}\n    p: 1\nexperiments:\n" + entries(40)  # (a short line just before)
+    _key, header, at = yamlsplit.split_point(text)
+    assert header == "experiments:" and text[at:].startswith("  exp-")
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (["a"], {"experiments": {"b": 1}}),                                  # the first half is not a mapping
+    ({"experiments": {"a": 1}}, ["b"]),                                  # nor the second
+    ({"experiments": "text"}, {"experiments": {"b": 1}}),                # the section is not a mapping first
+    ({"experiments": {"a": 1}}, {"experiments": "text"}),                # nor second
+    ({"experiments": {"a": 1}}, {"other": 1, "experiments": {"b": 1}}),  # the second does not start with it
+    ({"experiments": {"a": 1}}, {}),                                     # an empty second half
+    ({"experiments": {"a": 1}}, {"experiments": {"a": 2}}),              # an entry in both halves
+    ({"hosts": {}, "experiments": {"a": 1}}, {"experiments": {"b": 1}, "hosts": {}}),  # a top-level key twice
+])
+def test_halves_that_do_not_fit_together_are_not_merged(first, second):
+    assert yamlsplit.merge(first, second, "experiments") is None
