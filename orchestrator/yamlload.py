@@ -7,6 +7,9 @@
 - Before it parses: a control character YAML cannot hold is one `FILE:LINE` error, and anchors/aliases are
   refused at the alias's line (a 300-byte alias bomb expands to billions of nodes). A text read back from the
   cache passed them when it was kept.
+- A text over yamlsplit.SPLIT_MIN_BYTES with a safe cut (orchestrator.yamlsplit) is parsed in two processes:
+  the second half in `python -m orchestrator.yamlload` (this module's main), the first here meanwhile. Anything
+  but a clean merge and the whole text is parsed here, so its errors come from that one parse.
 - `Loader` (the composer with its marks) and `run_loader` serve the second pass too.
 """
 
