@@ -67,13 +67,16 @@ def _cmd(*args: str) -> TmuxResult:
 
     Raises:
         AgentFailure("TmuxMissing"): no tmux on PATH, or it cannot be run.
+        AgentFailure("TmuxFailed"): tmux did not answer in 30 s (a server that hangs, not a missing tmux).
     """
     exe = shutil.which("tmux")
     if exe is None:
         raise tmux_missing()
     try:
         return TmuxResult(subprocess.run([exe, *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=30))
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired:
+        raise AgentFailure("TmuxFailed", f"tmux {args[0]} did not answer in 30 s (its server is hung)") from None
+    except OSError as exc:
         raise AgentFailure("TmuxMissing", f"tmux {args[0]} failed: {exc}", fix="dflashctl rebuild-venv  (installs tmux)") from None
 
 

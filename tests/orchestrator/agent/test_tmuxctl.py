@@ -90,3 +90,24 @@ def test_parse_panes_skips_garbage_and_keeps_first_pane():
         {"name": "dflash-a", "pane_pid": 10, "dead": False, "dead_status": None, "created": 1700000000, "run_id": "r-1"},
         {"name": "x", "pane_pid": None, "dead": True, "dead_status": -1, "created": None, "run_id": None},
     ]
+
+
+def test_a_tmux_that_cannot_run_is_missing_and_one_that_hangs_is_failed(no_outer_tmux, tmp_path, monkeypatch):
+    """A `tmux` on PATH that is not a program the kernel can run names tmux missing, with the fix; a tmux
+    server that does not answer is a failed tmux (its timeout cut to 1 s here), never a missing one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tmux = bin_dir / "tmux"
+    tmux.write_bytes(b"\x7fELF not a program")
+    tmux.chmod(0o755)
+    with monkeypatch.context() as m, pytest.raises(AgentFailure) as info:
+        m.setenv("PATH", str(bin_dir))
+        tmuxctl.list_sessions()
+    assert info.value.type == "TmuxMissing" and info.value.fix == "dflashctl rebuild-venv  (installs tmux)"
+    tmux.write_text("#!/bin/sh\nexec sleep 60\n")
+    real_run = tmuxctl.subprocess.run
+    with monkeypatch.context() as m, pytest.raises(AgentFailure) as info:
+        m.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+        m.setattr(tmuxctl.subprocess, "run", lambda *a, **kw: real_run(*a, **{**kw, "timeout": 1}))
+        tmuxctl.list_sessions()
+    assert info.value.type == "TmuxFailed" and "did not answer" in info.value.message, info.value.message
