@@ -233,3 +233,23 @@ def test_the_cut_takes_the_indentation_of_the_largest_sections_own_entries():
 ])
 def test_halves_that_do_not_fit_together_are_not_merged(first, second):
     assert yamlsplit.merge(first, second, "experiments") is None
+
+
+def _children() -> set[int]:
+    import os
+
+    kids = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as fh:
+            kids |= {int(p) for p in fh.read().split()}
+    return kids
+
+
+def test_a_text_refused_before_its_parse_leaves_no_second_half_running(monkeypatch):
+    """The second half's interpreter starts before the control-character check; a text that fails it gets the
+    same error as a one-process load, and that interpreter is gone when the error arrives."""
+    monkeypatch.setattr(yamlsplit, "SPLIT_MIN_BYTES", 0)
+    text = PLAIN.replace("kind: command", "kind: com\x07mand", 1)
+    before = _children()
+    assert split(text) == whole(text) and split(text)[0] == "error" and "U+0007" in split(text)[1]
+    assert _children() - before == set()
