@@ -2,8 +2,9 @@
 
 Validating the inventory (pydantic) and importing the SSH stack cost a few hundred milliseconds on the
 workstation; opening the connection waits mostly on the host (sshd start, key exchange, authentication).
-So a command that will reach a container starts a thread at once: it reads the inventory's raw YAML,
-finds the host of the command's target and connects, while the main thread validates the inventory.
+So a command that will reach a container starts a thread at once, from its command line
+(orchestrator.commands.early, before typer's parse): it reads the inventory's raw YAML, finds the host of the
+command's target and connects; the main thread waits for that (see `start`) and then validates the inventory.
 `open_target` then takes the connection if the validated host has exactly the settings the thread
 used (else the thread's connection is closed and a fresh one is made), and an error the thread met
 (unknown host key, refused, ...) is raised there as if the connection had been opened then.
@@ -25,6 +26,10 @@ from dataclasses import dataclass
 from orchestrator.errors import DflashError
 from orchestrator.inventory_file import CONTAINER_HOME, CONTAINER_WORKDIR, PCT, read_inventory
 from orchestrator.transport.ssh import SETTINGS, SSHSettings
+
+READY_WAIT_S = 0.5
+"""How long a command waits for its early connection (and agent call) before it goes on with its own work."""
+
 
 @dataclass(frozen=True)
 class EarlyAgent:
@@ -50,18 +55,22 @@ class EarlyConnection:
         self._transport = None
         self._started = None
         self._error: BaseException | None = None
-        self.prepared = threading.Event()  # the thread's own CPU work is done (see start)
+        self.ready = threading.Event()  # connected and the agent call started, or failed (see start)
         self._thread = threading.Thread(target=self._connect, name="dflashctl-preconnect", daemon=True)
         self._thread.start()
 
     def _connect(self) -> None:
         try:
+            self._open()
+        finally:
+            self.ready.set()
+
+    def _open(self) -> None:
+        try:
             self._prepare()
         except BaseException as exc:  # take() returns None for it: the command connects and reports it itself
             self._error = exc
             return
-        finally:
-            self.prepared.set()
         transport = self.key.transport()
         try:
             transport.connect()
@@ -135,8 +144,8 @@ class EarlyConnection:
 def start(inventory: str | None, target: str | None, experiment: str | None = None,
           verb: str | None = None) -> EarlyConnection | None:
     """Start connecting to the host of `target` (else the experiment's target) when it is a container; with
-    `verb`, also start that agent call in the container once connected. Returns once the thread has done
-    its CPU work (imports, the bundle's hash), before it waits on the network.
+    `verb`, also start that agent call in the container once connected. Returns once the connection is made
+    and the agent call started (or either failed), or after READY_WAIT_S.
 
     Returns None when the raw inventory names no such container target, or cannot be read: the command
     then connects as usual and validation reports any problem.
@@ -146,11 +155,13 @@ def start(inventory: str | None, target: str | None, experiment: str | None = No
         return None
     key, name, spec, host = found
     early = EarlyConnection(key, _early_agent(verb, name, spec, host) if verb else None)
-    # Importing paramiko is CPU work, and two threads of one process share the CPU (the GIL): imported side
-    # by side with the command's own modules, the connection would start no sooner than both are done. So
-    # the command waits for the thread's CPU work (imports, the bundle's hash); the connection's waits on
-    # the network then overlap the command's own work, and the container starts its part first.
-    early.prepared.wait()
+    # Two threads of one process share one CPU (the GIL). The thread's work (paramiko's imports, the key
+    # exchange and authentication, opening the channel) is CPU between waits on the host; done side by side
+    # with the command's own imports and validation it took twice as long, and the container started the
+    # agent that much later. What the container does next (pct, Python, the agent's imports: half a second
+    # on a Proxmox host) outlasts the command's own work, so the command waits until the call is started,
+    # up to READY_WAIT_S (a slow host: the command's work overlaps the rest of the wait).
+    early.ready.wait(READY_WAIT_S)
     return early
 
 

@@ -30,22 +30,14 @@ def launch_cmd(
                                    "experiment's data_venv), in the same tmux session and log; no training."),
 ) -> None:
     """Preflight (GPUs idle, no live session, venv = lock), write runs/<id>/, start it in tmux."""
-    from orchestrator import preconnect
+    from orchestrator.ops.launch import launch_experiment
+    from orchestrator.render import EventPrinter
 
-    inventory = options.options(ctx).inventory
-    # Connects, and starts the launch's one agent call, while the inventory is validated.
-    early = preconnect.start(inventory, target, experiment, verb="launch")
-    try:
-        from orchestrator.ops.launch import launch_experiment
-        from orchestrator.render import EventPrinter
-
-        inv = options.load(ctx)
-        result = launch_experiment(inv, experiment, target=target, tag=tag, replace=replace, dry_run=dry_run,
-                                   grace_s=grace, resume=resume, data_only=data_only, on_event=EventPrinter(quiet=as_json),
-                                   cli=shlex.join(["dflashctl", *sys.argv[1:]]), early=early)
-    finally:
-        if early is not None:
-            early.close()
+    inv = options.load(ctx)
+    # `early`: the connection, and the launch's one agent call, started from the command line (commands.early).
+    result = launch_experiment(inv, experiment, target=target, tag=tag, replace=replace, dry_run=dry_run,
+                               grace_s=grace, resume=resume, data_only=data_only, on_event=EventPrinter(quiet=as_json),
+                               cli=shlex.join(["dflashctl", *sys.argv[1:]]), early=options.options(ctx).early)
     _print(result, as_json=as_json, follow=follow, grace=grace)
     if follow and not dry_run:
         from orchestrator.commands.following import follow_and_print

@@ -8,6 +8,7 @@ see each other's options.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import typer
 
@@ -18,6 +19,8 @@ class Options:
 
     inventory: str | None = None
     verbose: bool = False
+    early: Any = None
+    """The connection `main` started from the command line (orchestrator.commands.early), or None; main closes it."""
 
 
 def options(ctx: typer.Context) -> Options:

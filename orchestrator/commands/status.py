@@ -14,19 +14,12 @@ def status_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Container state, GPUs (used/total MiB), tmux sessions and runs with their state."""
-    from orchestrator import preconnect
+    from orchestrator.ops.status import status_of
 
-    # Only a target named here can connect (and start the status call) early: the default comes from the
-    # validated inventory.
-    early = preconnect.start(options.options(ctx).inventory, target, verb="status") if target else None
-    try:
-        from orchestrator.ops.status import status_of
-
-        inv = options.load(ctx)
-        st = status_of(inv, target or inv.default_target(), limit=limit, early=early)
-    finally:
-        if early is not None:
-            early.close()
+    inv = options.load(ctx)
+    # `early`: only a target named on the command line connects (and starts the status call) early
+    # (commands.early); the default comes from the validated inventory.
+    st = status_of(inv, target or inv.default_target(), limit=limit, early=options.options(ctx).early)
     from orchestrator.render import print_json
 
     if as_json:

@@ -16,18 +16,12 @@ def warmup_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """One warm-up process per drafter GPU, one after another; compile seconds and cache hits per GPU."""
-    from orchestrator import preconnect
+    from orchestrator.ops.warmup import warmup_experiment
+    from orchestrator.render import EventPrinter
 
-    early = preconnect.start(options.options(ctx).inventory, target, experiment)  # while the inventory is validated
-    try:
-        from orchestrator.ops.warmup import warmup_experiment
-        from orchestrator.render import EventPrinter
-
-        res = warmup_experiment(options.load(ctx), experiment, target=target, on_event=EventPrinter(quiet=as_json),
-                                early=early)
-    finally:
-        if early is not None:
-            early.close()
+    # `early`: the connection started from the command line while the inventory is validated (commands.early).
+    res = warmup_experiment(options.load(ctx), experiment, target=target, on_event=EventPrinter(quiet=as_json),
+                            early=options.options(ctx).early)
     from orchestrator.render import console, print_json, table
 
     if as_json:

@@ -22,7 +22,8 @@ def defer_import(name: str) -> None:
     line. NAME is registered as a stand-in module that imports the real one on its first attribute access
     and hands that on, so a `Match exec` still works. (importlib's LazyLoader cannot do this before Python
     3.12: `import NAME` itself reads the module's __spec__, which loads it.) A module already imported, or
-    not installed, is left as it is."""
+    not installed, is left as it is. A dunder name (`__file__`, `__path__`) is not a use: pydantic's docstring
+    reader walks sys.modules through inspect.getmodule, which asks every module for its `__file__`."""
     import importlib
     import importlib.util
     import sys
@@ -33,6 +34,8 @@ def defer_import(name: str) -> None:
 
     class Deferred(types.ModuleType):
         def __getattr__(self, attr: str):
+            if attr.startswith("__"):  # a scan of sys.modules (inspect.getmodule asks each for __file__) is no use
+                raise AttributeError(attr)
             if sys.modules.get(name) is self:
                 del sys.modules[name]
             return getattr(importlib.import_module(name), attr)

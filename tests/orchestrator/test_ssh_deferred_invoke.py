@@ -39,3 +39,14 @@ def test_an_imported_invoke_is_left_as_it_is():
             "defer_import('invoke'); print(sys.modules['invoke'] is real)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "True", res.stderr
+
+
+def test_a_scan_of_every_module_does_not_load_it():
+    """pydantic reads the inventory models' attribute docstrings through inspect.getmodule, which asks every
+    module in sys.modules for its __file__: that must not load invoke (half of paramiko's import, on the
+    command's main thread)."""
+    code = ("import sys; from orchestrator.transport.sshimport import import_ssh_stack; import_ssh_stack(); "
+            "import inspect, orchestrator.inventory; inspect.getmodule(inspect.currentframe()); "
+            "print('invoke.collection' in sys.modules, hasattr(sys.modules['invoke'], '__file__'))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "False False", res.stderr
