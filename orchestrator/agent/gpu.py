@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 
 from orchestrator.agent.protocol import AgentFailure
 
@@ -103,14 +105,39 @@ def query_gpus(timeout: float = 30.0) -> tuple[list[dict], str | None]:
     return gpus, None
 
 
-def busy_gpus(gpus: list[int], threshold_mib: int) -> tuple[list[dict], list[dict], str | None]:
-    """Which of `gpus` are not idle.
+def start_query() -> Callable[[], tuple[list[dict], str | None]]:
+    """query_gpus() started now, on a thread of its own (nvidia-smi takes a good part of a second on a GPU
+    host): the function returned waits for its answer, and gives it (or raises what it raised)."""
+    box: list = []
+
+    def ask() -> None:
+        try:
+            box.append((True, query_gpus()))
+        except BaseException as exc:  # noqa: BLE001 - raised where the answer is read
+            box.append((False, exc))
+
+    thread = threading.Thread(target=ask, name="nvidia-smi", daemon=True)
+    thread.start()
+
+    def answer() -> tuple[list[dict], str | None]:
+        thread.join()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    return answer
+
+
+def busy_gpus(gpus: list[int], threshold_mib: int,
+              query: Callable[[], tuple[list[dict], str | None]] = query_gpus) -> tuple[list[dict], list[dict], str | None]:
+    """Which of `gpus` are not idle, by `query` (nvidia-smi now, or a query started earlier: start_query).
 
     Returns:
         (busy, seen, reason): busy = [{index, used_mib, total_mib, uuid}] using >= threshold (or missing from
         nvidia-smi, or unreadable); seen = every GPU nvidia-smi listed; reason = why the query fell short.
     """
-    seen, reason = query_gpus()
+    seen, reason = query()
     by_index = {g["index"]: g for g in seen}
     busy = []
     for i in gpus:
@@ -161,15 +188,17 @@ def wait_gpus_idle(gpus: list[int], threshold_mib: int, timeout_s: float, emit) 
         time.sleep(0.5)
 
 
-def preflight_gpus(gpus: list[int], threshold_mib: int) -> list[dict]:
-    """Every GPU nvidia-smi lists, when all of `gpus` are idle (an empty list: no GPUs asked for).
+def preflight_gpus(gpus: list[int], threshold_mib: int,
+                   query: Callable[[], tuple[list[dict], str | None]] = query_gpus) -> list[dict]:
+    """Every GPU nvidia-smi lists (by `query`, as busy_gpus), when all of `gpus` are idle (an empty list: no
+    GPUs asked for).
 
     Raises:
         AgentFailure("GpuBusy"): names each busy GPU and its MiB.
     """
     if not gpus:
         return []
-    busy, seen, reason = busy_gpus(gpus, threshold_mib)
+    busy, seen, reason = busy_gpus(gpus, threshold_mib, query)
     if busy:
         raise AgentFailure(
             "GpuBusy",

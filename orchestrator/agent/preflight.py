@@ -376,21 +376,24 @@ def plan(req: LaunchRequest, emit) -> LaunchPlan:
 
 
 def checks(p: LaunchPlan, req: LaunchRequest, emit, gpus_free) -> tuple[dict, list[dict]]:
-    """The machine's checks, in the launch's order: the NVIDIA driver, the GPUs (`gpus_free()`: the launch's
-    idle check after its claim, or a dry run's `check_free`), the venv against the lock.
+    """The machine's checks, in the launch's order: the NVIDIA driver, the GPUs (`gpus_free(query)`: the
+    launch's idle check after its claim, or a dry run's `check_free`), the venv against the lock. A run on
+    GPUs asks nvidia-smi for their memory while the driver is probed (two nvidia-smi calls, each a good part
+    of a second on a GPU host); the verdicts still come in this order.
 
     Returns:
         (the venv's fingerprint, the GPUs as seen by the GPU check).
     Raises:
         AgentFailure: DriverTooOld, DriverLibraryMismatch, GpuClaimed, GpuBusy, VenvMismatch.
     """
+    query = gpu.start_query() if p.gpus else gpu.query_gpus
     check_driver(req, p.gpus, emit)
     check_memory(p.config, req.workdir, emit)
-    seen = gpus_free()
+    seen = gpus_free(query)
     return check_venv(req, emit), seen
 
 
-def check_free(p: LaunchPlan, workdir: str, emit) -> list[dict]:
+def check_free(p: LaunchPlan, workdir: str, emit, query=gpu.query_gpus) -> list[dict]:
     """--dry-run: what the launch would wait for, checked now without waiting (GpuClaimed, GpuBusy): the
     GPUs' claims and use, unless a live run is stopped first (it holds them until then)."""
     if p.old_session is not None and p.old_session["dead"]:
@@ -400,4 +403,4 @@ def check_free(p: LaunchPlan, workdir: str, emit) -> list[dict]:
     taken = claims.held(workdir, p.gpus)
     if taken:
         raise claims.refusal(taken)  # as the real launch would after its wait, without waiting
-    return gpu.preflight_gpus(p.gpus, p.gpu_idle_mib)
+    return gpu.preflight_gpus(p.gpus, p.gpu_idle_mib, query)

@@ -18,7 +18,8 @@ fails like the real tool does.
 A slow call: the real tool can take seconds (a wedged GPU, persistence mode off). A test holds exactly ONE
 call with `hold(dir)`: the first call to find `.hold` beside this file takes it (renamed to `.held`, so no
 other call waits) and answers only once `release(dir)` removes `.held`; `wait_held(dir)` returns when a
-call is waiting. This is how a test keeps a launch inside its preflight while another launch contends.
+call is waiting. This is how a test keeps a launch inside its preflight while another launch contends. Each call that answered
+is noted beside this file (`answered(dir)`), so a test can see which calls ran while one was held.
 """
 
 import json
@@ -92,6 +93,7 @@ def table(state: dict, gpus: list[dict]) -> str:
 
 
 HOLD, HELD = ".hold", ".held"
+ANSWERED = ".answered"
 
 
 def _hold_point() -> None:
@@ -193,5 +195,26 @@ def main(args: list[str]) -> int:
     return 0
 
 
+def _answered(args: list[str]) -> None:
+    """Note a finished call beside this file (one JSON line of its arguments): answered() reads them."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), ANSWERED), "a") as fh:
+            fh.write(json.dumps(args) + "\n")
+    except OSError:
+        pass  # a directory the caller cannot write (a container's): the log is only for tests that read it
+
+
+def answered(directory) -> list[list[str]]:
+    """(test side) The arguments of every call that has answered, in order."""
+    try:
+        text = open(os.path.join(directory, ANSWERED)).read()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines()]
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    rc = main(sys.argv[1:])
+    sys.stdout.flush()
+    _answered(sys.argv[1:])
+    sys.exit(rc)

@@ -39,7 +39,7 @@ def run(request: dict, emit) -> dict:
     req = LaunchRequest.from_json(request)
     if req.dry_run:
         plan = preflight.plan(req, emit)
-        fingerprint, _ = preflight.checks(plan, req, emit, lambda: preflight.check_free(plan, req.workdir, emit))
+        fingerprint, _ = preflight.checks(plan, req, emit, lambda query: preflight.check_free(plan, req.workdir, emit, query))
         check_data_venv(plan, req, emit)
         return plan.answer(dry_run=True, fingerprint=fingerprint).to_json()
     # Held across the whole preflight, until the session runs: one launch of this experiment at a time.
@@ -68,7 +68,7 @@ def execute(plan: LaunchPlan, req: LaunchRequest, emit) -> dict:
             token = claims.claim(req.workdir, plan.gpus, {"run_id": plan.run_id, "experiment": req.experiment},
                                  emit, req.claim_wait_s)
             emit.progress("claim", f"claimed GPUs {plan.gpus} for run {plan.run_id}")
-        fingerprint, seen = preflight.checks(plan, req, emit, lambda: _gpus_idle(plan, emit))
+        fingerprint, seen = preflight.checks(plan, req, emit, lambda query: _gpus_idle(plan, emit, query))
         check_data_venv(plan, req, emit)
         result = _start_run(plan, req, src, fingerprint, seen, emit)
         if token is not None:
@@ -115,8 +115,8 @@ def check_data_venv(plan: LaunchPlan, req: LaunchRequest, emit) -> dict | None:
     return actual
 
 
-def _gpus_idle(plan: LaunchPlan, emit) -> list[dict]:
-    seen = gpu.preflight_gpus(plan.gpus, plan.gpu_idle_mib)
+def _gpus_idle(plan: LaunchPlan, emit, query) -> list[dict]:
+    seen = gpu.preflight_gpus(plan.gpus, plan.gpu_idle_mib, query)
     if plan.gpus:
         emit.progress("gpus", f"GPUs {plan.gpus} idle (under {plan.gpu_idle_mib} MiB)")
     return seen

@@ -716,3 +716,20 @@ def test_container_dflash_gpu_layout_warms_each_drafter_gpu_and_trainer_launch_g
         assert ex["root_cause"]["rank"] == int(cause.group(1))
     finally:
         pve.remove_container(306)
+
+
+def test_a_launch_on_gpus_asks_for_their_memory_while_the_driver_is_probed(tmp_path, local_target, smi):
+    """The two nvidia-smi calls of a launch's preflight (the driver's table, the GPUs' memory) run side by
+    side: while one is held, the other answers. On a GPU host each takes a good part of a second."""
+    from test_launch_claims import Launcher
+
+    nvidia_smi.hold(smi)
+    first = Launcher(lambda: local_target, cmd_spec("both", SLEEPER, gpus=[0]))
+    nvidia_smi.wait_held(smi)
+    deadline = time.monotonic() + 30
+    while len(nvidia_smi.answered(smi)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(nvidia_smi.answered(smi)) == 1  # the other call answered while this one is held
+    nvidia_smi.release(smi)
+    first.result()
+    assert sorted(len(a) for a in nvidia_smi.answered(smi)) == [0, 2]  # the bare table, and the memory query
