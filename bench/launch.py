@@ -28,6 +28,17 @@ Measured (2 CPUs shared with other jobs; `--repeats 3 --pct-delay 0.3`), 2026-12
       2.70 s with it. The remaining CPU is mostly imports: the inventory's (pydantic models, ~0.19 s of
       `import orchestrator.inventory` alone), paramiko with cryptography and nacl (~0.1 s), typer and the
       pydantic TypeAdapters it builds for the flags, the agent protocol's dataclasses.
+  2026-12-03, `--repeats 5`, load 0.3-1.0, bare 0.57 s, by hand 3.41-3.47 s:
+      before (0b3f04e): command 1.01 s -> 1.76x bare, 0.29x by hand; CPU 0.51 s.
+      after (the early call started from the command line before typer's parse, the command waiting for it;
+      invoke's stand-in not loaded by pydantic's docstring reader; the console script's os._exit; the two
+      nvidia-smi calls side by side): command 0.84 s -> 1.46x, 0.24x; CPU 0.40 s (in-process 0.61 s).
+  Where the 0.84 s goes (a timeline of one run): Python up 0.04 s; typer and the verbs imported 0.08 s; the
+  raw inventory read and paramiko imported 0.17 s; connected 0.24 s; the agent call started 0.29 s; the
+  answer 0.80 s. The 0.51 s after the start is the container's (sshd's session, pct 0.30 s, lxc-attach, the
+  agent's Python and imports ~0.05 s, the launch itself ~0.08 s: its locks, claims, tmux). OpenSSH's whole
+  `ssh host true` is 0.2 s here; the workstation's own share before the exec (0.29 s) is Python, typer,
+  paramiko and a handshake in Python, so 1.3x (0.74 s) needs the start at ~0.2 s and the agent free.
 """
 
 from __future__ import annotations
