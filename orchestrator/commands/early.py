@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from orchestrator import preconnect
 
-EARLY: dict[str, str | None] = {"launch": "launch", "status": "status", "warmup": None}
+EARLY: tuple[tuple[str, str | None], ...] = (("launch", "launch"), ("status", "status"), ("warmup", None))
 """The verbs whose connection starts from the command line, and the agent verb each starts there (None: only
 the connection). Their EXPERIMENT argument and --target option say which container."""
 
@@ -34,7 +34,8 @@ def start(command, argv: Sequence[str]) -> preconnect.EarlyConnection | None:
     if read is None:
         return None
     verb, inventory, values, positionals = read
-    if verb not in EARLY:
+    agent_verbs = dict(EARLY)
+    if verb not in agent_verbs:
         return None
     arguments = [p for p in command.commands[verb].params if p.param_type_name == "argument"]
     experiment = None
@@ -43,7 +44,7 @@ def start(command, argv: Sequence[str]) -> preconnect.EarlyConnection | None:
     target = values.get("target")
     if not isinstance(experiment, (str, type(None))) or not isinstance(target, (str, type(None))):
         return None
-    return preconnect.start(inventory, target, experiment, verb=EARLY[verb])
+    return preconnect.start(inventory, target, experiment, verb=agent_verbs[verb])
 
 
 def _read(group, tokens: list[str]):
