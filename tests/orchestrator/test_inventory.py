@@ -450,6 +450,26 @@ def test_the_loader_is_libyaml_and_keeps_lines(tmp_path):
     assert inv.line_of("targets", "ct200", "ctid") == line_of(BASE, "ctid: 200")
 
 
+@pytest.mark.parametrize("value", ["0", "7", "-12", "200", "123456789012345678901234567890", "010", "-0", "00",
+                                   "+5", "1_000", "0x1f", "0b11", "0o17", "1:30", "1.5", ".inf", "1e3", "yes",
+                                   "Off", "~", "null", "2026-01-01"])
+def test_the_loaders_scalars_are_the_safe_loaders(value):
+    """The first pass builds the common scalars itself (a plain decimal int without the constructor): each
+    value and its type are exactly PyYAML's safe loader's, octal `010`, `+5`, `1_000` and `1:30` included."""
+    import yaml
+
+    from orchestrator import yamlload
+
+    text = f"a: {value}\nb: [{value}, {value}]\n"
+    loader = yamlload.Loader(text)
+    try:
+        ours = loader.get_single_data()
+    finally:
+        loader.dispose()
+    want = yaml.load(text, Loader=yaml.SafeLoader)
+    assert ours == want and [type(v) for v in (ours["a"], *ours["b"])] == [type(want["a"])] * 3
+
+
 def big_inventory(n: int, ctid_of_last: int = 999) -> str:
     """An inventory over yamlload.CACHE_MIN_BYTES: n container targets, the last with `ctid_of_last`."""
     rows = [f"  ct{i}: {{kind: container, host: pve, ctid: {100 + i if i < n - 1 else ctid_of_last}}}"
