@@ -67,6 +67,7 @@ from orchestrator.target import ContainerTarget  # noqa: E402
 from orchestrator.quoting import render  # noqa: E402
 
 CTID = 240
+CONTAINER_PYTHON = "/usr/bin/python3"
 SCRIPT = assets.on_disk("start_training.sh")
 
 
@@ -77,7 +78,12 @@ def make_container(pve: FakePVE):
     ct = pve.create_container(CTID, gpus=8)
     venv = Path(ct.workdir) / "venvs" / "bench-0"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)  # the workstation's interpreter stands in for a built venv's
+    # A venv as `uv venv` makes it in a container: the container's python3 (this shared-root container's is
+    # the host's /usr/bin/python3) and a pyvenv.cfg without the system's site-packages, so its start-up reads
+    # no .pth file of the workstation's development environment (an editable install's finder, coverage's
+    # hook: ~25 ms a call that no container venv pays).
+    (venv / "bin" / "python").symlink_to(CONTAINER_PYTHON)
+    (venv / "pyvenv.cfg").write_text(f"home = {Path(CONTAINER_PYTHON).parent}\ninclude-system-site-packages = false\n")
     (venv / "dflashctl-fingerprint.json").write_text(json.dumps({"lock_hash": lock_hash(LOCK), "packages": {}}))
     (Path(ct.workdir) / "venvs" / "current").symlink_to(venv.name)
     return ct
@@ -132,20 +138,44 @@ def write_inventory(pve: FakePVE, ct, path: Path) -> Path:
 CPU: list[float] = []  # CPU seconds (user + system) of each timed console-script process
 
 
-def run_command(inv: Path, tag: str) -> None:
+def installed_script(where: Path) -> list[str] | None:
+    """dflashctl as a user installs it: a new venv (`uv venv`) with this tree installed into it, not editable,
+    its modules compiled (`uv pip install --compile-bytecode .`, as pip compiles a wheel's). None (with the
+    reason on stderr) where uv or the package index is not at hand: the development environment is used."""
+    import shutil
+
+    uv = shutil.which("uv")
+    if uv is None:
+        print("bench: no uv on PATH; measuring the development environment's console script", file=sys.stderr)
+        return None
+    venv = where / "installed"
+    steps = ([uv, "venv", "-q", "--python", sys.executable, str(venv)],
+             [uv, "pip", "install", "-q", "--compile-bytecode", "--python", str(venv / "bin" / "python"), str(ROOT)])
+    for argv in steps:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            print(f"bench: {' '.join(argv[:3])} failed ({res.stderr.strip()[-300:]}); measuring the development "
+                  "environment's console script", file=sys.stderr)
+            return None
+    return [str(venv / "bin" / "python"), str(venv / "bin" / "dflashctl")]
+
+
+def run_command(inv: Path, tag: str, script: list[str] | None) -> None:
     """One `dflashctl launch` in a new process; its CPU time goes to CPU (a figure the machine's load does not
-    inflate the way it inflates wall time: it is the workstation's own work, imports included)."""
+    inflate the way it inflates wall time: it is the workstation's own work, imports included). `script`: the
+    installed console script (installed_script), or None for this environment's, run from this tree."""
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-               DFLASHCTL_STATE_DIR=str(inv.parent / "state"),  # run records of the bench stay in its temp dir
-               # Bytecode as an installed dflashctl has it (pip compiles a wheel's modules), kept in the temp
-               # dir, even where the environment says PYTHONDONTWRITEBYTECODE: without it every run compiles
-               # the project's modules from source, a cost no installed dflashctl pays.
-               PYTHONPYCACHEPREFIX=str(inv.parent / "pycache"))
+    env = dict(os.environ, DFLASHCTL_STATE_DIR=str(inv.parent / "state"))  # the bench's run records stay in its dir
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    res = subprocess.run([*console_script(), "-i", str(inv), "launch", "bench", "--tag", tag],
+    if script is None:
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+                   # Bytecode as an installed dflashctl has it (pip compiles a wheel's modules), kept in the temp
+                   # dir, even where the environment says PYTHONDONTWRITEBYTECODE: without it every run compiles
+                   # the project's modules from source, a cost no installed dflashctl pays.
+                   PYTHONPYCACHEPREFIX=str(inv.parent / "pycache"))
+    res = subprocess.run([*(script or console_script()), "-i", str(inv), "launch", "bench", "--tag", tag],
                          capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
     if res.returncode != 0:
         raise RuntimeError(f"dflashctl launch failed ({res.returncode}): {res.stdout[-300:]} {res.stderr[-600:]}")
@@ -177,6 +207,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--pct-delay", type=float, default=0.3, help="seconds each pct call sleeps (Perl start-up)")
+    ap.add_argument("--dev", action="store_true",
+                    help="time this environment's console script (an editable install) instead of a fresh venv's")
     args = ap.parse_args()
     load_before = os.getloadavg()  # the machine may be shared: every figure below depends on it
     times: dict[str, list[float]] = {"command": [], "ops": [], "hand": [], "bare": []}
@@ -189,11 +221,12 @@ def main() -> int:
         target.agent("echo")  # first contact: the bundle travels inline (same single exec)
         first = time.perf_counter() - t0
         target.close()
-        run_command(inv, "warm")  # the first command run writes its caches (bytecode, known bundles)
+        script = None if args.dev else installed_script(Path(tmp))
+        run_command(inv, "warm", script)  # the first command run writes its caches (bytecode, known bundles)
         CPU.clear()
         kill_session(ct)
         pve.set_delay(args.pct_delay)
-        steps = {"command": lambda i: run_command(inv, f"c{i}"), "ops": lambda i: in_process(pve, f"r{i}"),
+        steps = {"command": lambda i: run_command(inv, f"c{i}", script), "ops": lambda i: in_process(pve, f"r{i}"),
                  "hand": lambda i: by_hand(pve, ct, i), "bare": lambda i: bare_exec(pve)}
         for i in range(args.repeats):
             for name, step in steps.items():
@@ -208,7 +241,8 @@ def main() -> int:
     print(f"pct delay {args.pct_delay:.2f} s, {args.repeats} runs each (median wall time); load average "
           f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs")
     print(f"  first agent call (bundle push included, untimed above): {first:.2f} s")
-    print(f"  dflashctl launch (console script): {med['command']:.2f} s   pct exec calls: {sorted(calls['command'])}")
+    print(f"  dflashctl launch (console script): {med['command']:.2f} s   pct exec calls: {sorted(calls['command'])}"
+          f"   ({'this environment, editable' if script is None else 'a fresh venv, installed from this tree'})")
     print(f"  ops.launch in-process            : {med['ops']:.2f} s   pct exec calls: {sorted(calls['ops'])}")
     print(f"  by hand (6 steps)                : {med['hand']:.2f} s   pct exec calls: {sorted(calls['hand'])}")
     print(f"  bare ssh + pct exec true         : {med['bare']:.2f} s   pct exec calls: [1]")
