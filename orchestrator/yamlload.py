@@ -6,7 +6,8 @@
   so the next command reads it back in a fraction of the parse (bench/inventory_load.py).
 - Before it parses: a control character YAML cannot hold is one `FILE:LINE` error, and anchors/aliases are
   refused at the alias's line (a 300-byte alias bomb expands to billions of nodes). A text read back from the
-  cache passed them when it was kept.
+  cache passed them when it was kept; a text parsed in two halves is scanned only when a half fails (libyaml's
+  reader refuses the same characters, in both halves).
 - A text over yamlsplit.SPLIT_MIN_BYTES with a safe cut (orchestrator.yamlsplit) is parsed in two processes:
   the second half in `python -m orchestrator.yamlload` (this module's main), the first here meanwhile. Anything
   but a clean merge and the whole text is parsed here, so its errors come from that one parse.
@@ -282,17 +283,24 @@ def load_plain(text: str, source: str, *, fixable: bool = True, cache_dir: Path 
         except (OSError, EOFError, ValueError, TypeError):
             pass  # no entry yet (or a torn one): parse
     split = not merges and len(text) >= yamlsplit.SPLIT_MIN_BYTES
-    second = _start_second_half(text) if split else None  # its interpreter starts while the checks run
-    try:
-        refuse_unprintable(text, source, fixable)
-        refuse_aliases(text, source)
-    except InventoryError:
-        if second is not None:
-            second[1].kill()
-            second[1].wait()
-        raise
+    second = _start_second_half(text) if split else None
+    # Halves that both parse passed libyaml's reader, which refuses exactly the characters refuse_unprintable
+    # names (YAML's printable set), over every character of the text: the scan runs only where they do not.
+    # An anchor (`&`) is refused before anything is composed, halves included (an alias bomb expands there too).
+    checked = second is None or "&" in text
+    if checked:
+        try:
+            refuse_unprintable(text, source, fixable)
+            refuse_aliases(text, source)
+        except InventoryError:
+            if second is not None:
+                second[1].kill()
+                second[1].wait()
+            raise
     data, kept = (None, None) if second is None else _first_half_and_merge(text, source, *second, path is not None)
     if data is None:  # the whole text in this process (and every error from this one parse)
+        if not checked:
+            refuse_unprintable(text, source, fixable)
         data = run_loader(Loader if merges else _DataLoader, text, source, _data)
     if path is not None:
         _cache_store(path, data if kept is None else kept)
@@ -345,7 +353,7 @@ def _first_half_and_merge(text: str, source: str, cut: tuple[str, str, int], chi
     the caller then parses the whole text, and names its errors from that one parse."""
     try:
         first = run_loader(_DataLoader, yamlsplit.halves(text, cut)[0], source, _data)
-    except (InventoryError, DuplicateKey):
+    except (InventoryError, DuplicateKey, UnicodeEncodeError):  # (a lone surrogate: PyYAML cannot encode it)
         first = None
         child.kill()
     first_blob = marshal.dumps(first) if keep and first is not None else None
