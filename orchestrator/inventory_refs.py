@@ -50,6 +50,8 @@ def check_references(inv: Inventory) -> list[Problem]:
             err(path, f"no {kind} named {name!r}{hint}")
 
     for section in ("hosts", "targets", "venvs", "experiments"):
+        if names.all_valid(getattr(inv, section)):  # the usual case, at once; else each name says what it breaks
+            continue
         for name in getattr(inv, section):
             if not names.is_valid(name):
                 err((section, name), f"unsafe name: use 1-{names.NAME_MAX} characters from {names.RULE}")

@@ -189,3 +189,19 @@ def test_a_refused_run_reference_says_where_to_copy_a_real_one():
                                       ("a\nb", False), ("a\x1bb", False), ("\u00a0x", False)])
 def test_an_ssh_word_is_printable_has_no_space_and_is_no_option(word, ok):
     assert names.is_ssh_word(word) is ok
+
+
+@given(values=st.lists(st.one_of(
+    st.text(alphabet="ab9._-\n/ ", min_size=0, max_size=8),
+    st.sampled_from(["a" * 64, "a" * 65, "a..b", "a\n", "\na", "-a", ".a", "A_b-9.c"]),
+    st.integers(), st.none()), max_size=6), limit=st.sampled_from([0, 1, 3, 64]))
+@example(values=["ok", "a..b"], limit=64)
+@example(values=["a" * 64, "b"], limit=64)
+@example(values=["a" * 65], limit=64)
+@example(values=["ok", "x\n"], limit=64)
+@example(values=["ok", 7], limit=64)
+@example(values=[""], limit=64)
+def test_all_valid_is_is_valid_for_every_value(values, limit):
+    """The one-pass check of many names answers what is_valid answers for each: line breaks in a value, a `..`
+    across what would be two names, the length limit, values that are not text."""
+    assert names.all_valid(values, limit) == all(names.is_valid(v, limit) for v in values)
