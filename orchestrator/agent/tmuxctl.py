@@ -130,6 +130,9 @@ def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
     The session starts with a placeholder that cannot end by itself; remain-on-exit and the run id are set;
     only then does respawn-pane swap in the real command (one tmux command list). Setting the option after
     starting the command would race a command that ends at once: the session would vanish, status lost.
+    The list ends with display-message of the pane as list_sessions reads it (the respawned pane's pid): one
+    tmux process for the whole start. (Its target is the plain name, as set-option's: tmux prefers the
+    session of exactly that name, which new-session has just made; tmux 3.3 prints nothing for `=NAME` here.)
 
     Raises:
         AgentFailure("TmuxFailed"): tmux refused (e.g. the name exists: a race lost to another launch).
@@ -139,10 +142,11 @@ def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
         ";", "set-option", "-t", name, "remain-on-exit", "on",
         ";", "set-option", "-t", name, RUN_OPTION, run_id,
         ";", "respawn-pane", "-k", "-t", name, "-c", cwd, command,
+        ";", "display-message", "-p", "-t", name, _FORMAT,
     )
     if res.returncode != 0:
         raise AgentFailure("TmuxFailed", f"tmux new-session {name} failed: {' '.join(res.stderr)[:300]}")
-    found = find_session(name)
+    found = next((s for s in parse_panes(res.stdout) if s["name"] == name), None)
     if found is None:
         raise AgentFailure("TmuxFailed", f"tmux session {name} vanished right after it was created")
     return found

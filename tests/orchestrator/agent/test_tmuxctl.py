@@ -111,3 +111,26 @@ def test_a_tmux_that_cannot_run_is_missing_and_one_that_hangs_is_failed(no_outer
         m.setattr(tmuxctl.subprocess, "run", lambda *a, **kw: real_run(*a, **{**kw, "timeout": 1}))
         tmuxctl.list_sessions()
     assert info.value.type == "TmuxFailed" and "did not answer" in info.value.message, info.value.message
+
+
+def test_the_start_answers_with_the_pane_that_runs_the_command_in_one_tmux_process(no_outer_tmux, tmp_path,
+                                                                                   monkeypatch):
+    """new_session's answer is the respawned pane (the command's own pid, not the placeholder's), the
+    session of exactly its name where a longer one shares its prefix, read in the same tmux process."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    calls = tmp_path / "calls"
+    shim = tmp_path / "bin" / "tmux"
+    shim.parent.mkdir()
+    shim.write_text(f"#!/bin/sh\necho \"$1\" >> {calls}\nexec {shutil.which('tmux')} \"$@\"\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}{os.pathsep}{os.environ['PATH']}")
+    tmuxctl.new_session("dflash-ab", "exec sleep 301", str(tmp_path), "ab-1")
+    calls.unlink()
+    s = tmuxctl.new_session("dflash-a", "exec sleep 302", str(tmp_path), "a-1")
+    assert calls.read_text().split() == ["new-session"]
+    assert (s["name"], s["run_id"], s["dead"]) == ("dflash-a", "a-1", False)
+    assert Path(f"/proc/{s['pane_pid']}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"302"]
+    assert s == tmuxctl.find_session("dflash-a")
