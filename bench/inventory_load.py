@@ -19,6 +19,10 @@ an hour (the `before` line is the yardstick: 4.8-6.6 s for the same work):
     2026-12-03, load 1.0   before 5.53 s   one process 2.86 s   two processes 2.08 s (3.42)  1.37x   cached 0.59 s
     2026-12-03, load 1.0   before 7.95 s   one process 3.76 s   two processes 2.38 s (4.08)  1.58x   cached 0.55 s
         (a slower hour: the same tree measured 7.75 / 3.81 / 2.42 before a plain decimal int skipped the constructor)
+    2026-12-04, load 0.6   before 8.18 s   one process 3.74 s   two processes 2.45 s (4.14)  1.53x   cached 0.55 s
+    2026-12-04, load 1.2   before 8.14 s   one process 3.76 s   two processes 2.32 s (4.03)  1.62x   cached 0.55 s
+        (the same slow hour, after: halves that both parse skip the control-character scan, the first half takes
+        52% of the nodes, the names of a section are checked in one pass)
 
 Where a first load's time goes (10 MB, two processes, the 1.94 s run): the cut found and the second half's
 interpreter started 0.05 s, the control-character scan 0.03 s, the first half parsed here 1.26 s while the
