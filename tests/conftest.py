@@ -17,6 +17,14 @@ from fakehost.host import lxc_missing
 __all__ = ["FakeContainer", "FakePVE"]
 
 
+@pytest.fixture(autouse=True)
+def own_state_dir(tmp_path, monkeypatch):
+    """Every test's own workstation state (DFLASHCTL_STATE_DIR: run records, printed offsets, caches), for the
+    installed dflashctl it runs as for this process: the state of whoever runs the suite (their own launches'
+    records) never changes what a test sees. A test may set another or drop it (monkeypatch)."""
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+
+
 @pytest.fixture(scope="session")
 def fake_pve():
     """A started FakePVE for the whole session; containers are made by each test with create_container.
