@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,14 +106,14 @@ def load_records(experiment: str | None = None) -> list[dict]:
     return [r for r in out if experiment is None or r.get("experiment") == experiment]
 
 
-def find_record(ref: str) -> dict:
+def find_record(ref: str, fits: Callable[[dict], bool] | None = None) -> dict:
     """The record whose run id is `ref`, or the only one starting with `ref`; `ref` may also be an
-    experiment name (its newest run).
+    experiment name (its newest run). `fits`: only the records it accepts are looked at.
 
     Raises:
         RunNotFound: nothing matches, or a prefix matches several runs (they are listed).
     """
-    records = load_records()
+    records = [r for r in load_records() if fits is None or fits(r)]
     exact = [r for r in records if r["run_id"] == ref]
     if exact:
         return exact[-1]
@@ -171,13 +172,13 @@ class RunRecord:
                    stopped=rec.get("stopped"), raw=dict(rec))
 
 
-def find_run(ref: str) -> RunRecord:
-    """find_record, typed.
+def find_run(ref: str, fits: Callable[[RunRecord], bool] | None = None) -> RunRecord:
+    """find_record, typed (`fits` sees the typed record).
 
     Raises:
         RunNotFound: as find_record.
     """
-    return RunRecord.from_dict(find_record(ref))
+    return RunRecord.from_dict(find_record(ref, None if fits is None else lambda r: fits(RunRecord.from_dict(r))))
 
 
 def requested_by(verb: str = "dflashctl stop") -> dict:

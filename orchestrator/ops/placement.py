@@ -4,8 +4,9 @@ verb that acts on a run (stop, logs, attach, metrics) maps over what `resolve` r
 a list of one.
 
 Resolution order for `ref` (a run id, a unique prefix of one, or an experiment name):
-1. a run this workstation recorded (exact id, else the experiment's newest, else the one run the prefix
-   names): its own target(s), run directory and GPUs; `--target` narrows a run across targets to that node
+1. a run this workstation recorded for this inventory (exact id, else the experiment's newest, else the one run
+   the prefix names; a record whose target is not here, or whose run directory is not in that target's
+   workdir, is another inventory's): its own target(s), run directory and GPUs; `--target` narrows a run across targets to that node
    (or names another target outright);
 2. an experiment of the inventory with no recorded run: its target(s), the run left to the target (its
    newest run of the experiment);
@@ -18,11 +19,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import TypeVar
 
 from orchestrator import names
+from orchestrator.agent.rundirs import runs_root
 from orchestrator.errors import RunNotFound
-from orchestrator.inventory import check_name, check_run_ref
+from orchestrator.inventory import LocalTargetSpec, check_name, check_run_ref
 from orchestrator.records import RunRecord, find_run
 from orchestrator.target import open_target
 
@@ -76,6 +79,41 @@ def _from_record(rec: RunRecord, target: str | None, default: str) -> list[Place
     return [Placement(target, session=session)]
 
 
+def _reached(inv, rec: RunRecord) -> bool:
+    """Whether a record is of a run this inventory reaches: each of its targets is here and each recorded run
+    directory is in that target's `<workdir>/runs/`. A record another inventory wrote for a target of the same
+    name, or one from before the target's workdir moved, is not this inventory's run."""
+    for name, run_dir in [(n.target, n.run_dir) for n in rec.nodes] or [(rec.target, rec.run_dir)]:
+        if name is None:
+            continue  # (a record without a target: the inventory's first, as before)
+        spec = inv.targets.get(name)
+        if spec is None:
+            return False
+        workdir = spec.resolved_workdir() if isinstance(spec, LocalTargetSpec) else spec.workdir
+        if run_dir is not None and PurePosixPath(run_dir).parent != PurePosixPath(runs_root(workdir)):
+            return False
+    return True
+
+
+def _refuse_recorded_elsewhere(ref: str) -> None:
+    """A run id this workstation recorded for a target this inventory does not reach: say so, not "no run".
+
+    Raises:
+        RunNotFound: naming where the run was launched.
+    """
+    try:
+        rec = find_run(ref)
+    except RunNotFound:
+        return
+    if rec.run_id != ref:
+        return  # a prefix of a run elsewhere: looked for as a run id on the target, as any other
+    parts = [(n.target, n.run_dir) for n in rec.nodes] or [(rec.target, rec.run_dir)]
+    where = ", ".join(f"target {t} ({d or 'run directory not recorded'})" for t, d in parts)
+    raise RunNotFound(f"run {ref!r} was launched on {where}, which this inventory does not reach (no such target "
+                      "here, or its workdir is another): it was launched with another inventory, or the workdir moved",
+                      fix="dflashctl runs  (this workstation's runs, with their targets)")
+
+
 def resolve(inv, ref: str | None, target: str | None = None, *, kind: str = "run id or experiment") -> RunPlacements:
     """The run `ref` means and where it is (the module docstring says in which order it is looked for);
     `kind` names `ref` in the error for a bad name.
@@ -89,13 +127,15 @@ def resolve(inv, ref: str | None, target: str | None = None, *, kind: str = "run
         return RunPlacements(None, None, [Placement(default)])
     check_run_ref(ref, kind)
     try:
-        rec = find_run(ref)
+        rec = find_run(ref, fits=lambda r: _reached(inv, r))
     except RunNotFound as exc:
         if "matches" in exc.message:  # an ambiguous prefix: the user must say which
             raise
         rec = None
     if rec is not None:
         return RunPlacements(rec.run_id, rec.experiment, _from_record(rec, target, inv.default_target()), rec)
+    if ref not in inv.experiments:
+        _refuse_recorded_elsewhere(ref)
     if ref in inv.experiments:
         exp = inv.experiments[ref]
         session = _session(ref)

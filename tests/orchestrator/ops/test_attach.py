@@ -52,7 +52,13 @@ def test_an_experiment_of_the_inventory_leads_to_its_session_on_its_target(tmp_p
 
 
 def test_a_recorded_run_leads_to_its_own_experiment_and_target_and_node(tmp_path):
-    inv = load_inventory(inventory(tmp_path))
+    path = inventory(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["hosts"] = {"pve": {"ssh": "pve.lan"}}
+    data["targets"].update({t: {"kind": "container", "host": "pve", "ctid": i, "venv": "sys"}
+                            for i, t in ((200, "ct200"), (201, "ct201"))})
+    path.write_text(yaml.safe_dump(data))
+    inv = load_inventory(path)
     records.append_record({"run_id": "exp.v2-20261201T100000Z", "experiment": "exp.v2", "target": "local"})
     records.append_record({"run_id": "two-20261201T100000Z", "experiment": "two", "target": "ct200",
                            "nodes": [{"target": "ct200"}, {"target": "ct201"}]})

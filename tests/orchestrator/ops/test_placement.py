@@ -20,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("isolated_tmux")  # own run records (DFLASH
 def inv(tmp_path):
     path = tmp_path / "inventory.yaml"
     path.write_text(yaml.safe_dump({
-        "targets": {"first": {"kind": "local", "workdir": str(tmp_path / "a"), "venv": "ws"},
-                    "second": {"kind": "local", "workdir": str(tmp_path / "b"), "venv": "ws"}},
+        "targets": {"first": {"kind": "local", "workdir": "/a", "venv": "ws"},  # (nothing is made there)
+                    "second": {"kind": "local", "workdir": "/b", "venv": "ws"}},
         "venvs": {"ws": {"kind": "workstation"}},
         "experiments": {"exp": {"kind": "command", "target": "second", "command": ["true"]}},
     }))
@@ -40,15 +40,35 @@ def test_a_recorded_run_is_where_its_record_says_not_on_the_first_target(inv):
     assert resolve(inv, "exp-20261201T100000Z", "first").placements == [Placement("first", session="dflash-exp")]
 
 
+def test_a_record_of_another_inventory_is_not_this_ones_run(inv):
+    """Two inventories with a target of the same name, other workdirs (or a workdir moved since the launch): the
+    record's run is not looked for here. The experiment is its target's newest run, as with no record; an
+    older record of it that does fit is still found."""
+    records.append_record({"run_id": "exp-20261201T090000Z", "experiment": "exp", "target": "second",
+                           "run_dir": "/b/runs/exp-20261201T090000Z"})
+    records.append_record({"run_id": "exp-20261201T100000Z", "experiment": "exp", "target": "second",
+                           "run_dir": "/elsewhere/runs/exp-20261201T100000Z"})
+    records.append_record({"run_id": "gone-20261201T100000Z", "experiment": "gone", "target": "third",
+                           "run_dir": "/c/runs/gone-20261201T100000Z"})
+    assert resolve(inv, "exp").run_id == "exp-20261201T090000Z"  # the newest record that is this inventory's
+    with pytest.raises(RunNotFound, match="was launched on target second [(]/elsewhere/runs/"):
+        resolve(inv, "exp-20261201T100000Z")
+    with pytest.raises(RunNotFound) as info:  # a run id recorded elsewhere: said so, not "no run"
+        resolve(inv, "gone-20261201T100000Z")
+    assert info.value.message.startswith("run 'gone-20261201T100000Z' was launched on target third "
+                                         "(/c/runs/gone-20261201T100000Z), which this inventory does not reach")
+    assert info.value.fix == "dflashctl runs  (this workstation's runs, with their targets)"
+
+
 def test_a_run_across_targets_is_every_node_and_target_narrows_it(inv):
     records.append_record({"run_id": "two-20261201T100000Z", "experiment": "two", "target": "first",
-                           "nodes": [{"index": 0, "target": "first", "run_dir": "/a/r", "gpus": [0]},
-                                     {"index": 1, "target": "second", "run_dir": "/b/r", "gpus": [1, 2]}]})
+                           "nodes": [{"index": 0, "target": "first", "run_dir": "/a/runs/r", "gpus": [0]},
+                                     {"index": 1, "target": "second", "run_dir": "/b/runs/r", "gpus": [1, 2]}]})
     where = resolve(inv, "two-20261201T100000Z")
     assert where.across and [(p.target, p.run_dir, p.gpus, p.node) for p in where.placements] == \
-        [("first", "/a/r", [0], 0), ("second", "/b/r", [1, 2], 1)]
+        [("first", "/a/runs/r", [0], 0), ("second", "/b/runs/r", [1, 2], 1)]
     one = resolve(inv, "two-20261201T100000Z", "second")
-    assert one.placements == [Placement("second", "/b/r", [1, 2], "dflash-two", 1)] and one.across
+    assert one.placements == [Placement("second", "/b/runs/r", [1, 2], "dflash-two", 1)] and one.across
 
 
 def test_without_a_record_an_experiment_is_its_target_and_anything_else_a_run_id_on_the_first(inv):
