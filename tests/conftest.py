@@ -17,11 +17,17 @@ from fakehost.host import lxc_missing
 __all__ = ["FakeContainer", "FakePVE"]
 
 
+_STATE_AT_START = os.environ.get("DFLASHCTL_STATE_DIR")
+
+
 @pytest.fixture(autouse=True)
 def own_state_dir(tmp_path, monkeypatch):
     """Every test's own workstation state (DFLASHCTL_STATE_DIR: run records, printed offsets, caches), for the
     installed dflashctl it runs as for this process: the state of whoever runs the suite (their own launches'
-    records) never changes what a test sees. A test may set another or drop it (monkeypatch)."""
+    records) never changes what a test sees. A test may set another or drop it (monkeypatch); a module's
+    fixture that made its own for its tests (test_venv's stock_built: what that workstation carried) keeps it."""
+    if os.environ.get("DFLASHCTL_STATE_DIR") != _STATE_AT_START:
+        return
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
 
 
