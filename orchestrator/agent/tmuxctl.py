@@ -118,10 +118,11 @@ def list_sessions() -> list[dict]:
 
 def find_session(name: str) -> dict | None:
     """The session called exactly `name`, or None."""
-    for s in list_sessions():
-        if s["name"] == name:
-            return s
-    return None
+    return _named(list_sessions(), name)
+
+
+def _named(sessions: list[dict], name: str) -> dict | None:
+    return next((s for s in sessions if s["name"] == name), None)
 
 
 def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
@@ -146,7 +147,7 @@ def new_session(name: str, command: str, cwd: str, run_id: str) -> dict:
     )
     if res.returncode != 0:
         raise AgentFailure("TmuxFailed", f"tmux new-session {name} failed: {' '.join(res.stderr)[:300]}")
-    found = next((s for s in parse_panes(res.stdout) if s["name"] == name), None)
+    found = _named(parse_panes(res.stdout), name)
     if found is None:
         raise AgentFailure("TmuxFailed", f"tmux session {name} vanished right after it was created")
     return found

@@ -6,8 +6,9 @@ a list of one.
 Resolution order for `ref` (a run id, a unique prefix of one, or an experiment name):
 1. a run this workstation recorded for this inventory (exact id, else the experiment's newest, else the one run
    the prefix names; a record whose target is not here, or whose run directory is not in that target's
-   workdir, is another inventory's): its own target(s), run directory and GPUs; `--target` narrows a run across targets to that node
-   (or names another target outright);
+   workdir, is another inventory's): its own target(s), run directory and GPUs; `--target` narrows a run
+   across targets to that node (or names another target outright); a run id recorded only elsewhere is
+   refused, naming where it was launched;
 2. an experiment of the inventory with no recorded run: its target(s), the run left to the target (its
    newest run of the experiment);
 3. anything else: a run id on `--target`, else the inventory's first target.

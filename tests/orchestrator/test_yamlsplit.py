@@ -285,3 +285,15 @@ def test_a_control_character_in_either_half_is_the_one_process_error(monkeypatch
     text = PLAIN[:line] + "kind: com" + char + PLAIN[line + len("kind: com"):]
     got = split(text)
     assert got == whole(text) and got[0] == "error" and f"U+{ord(char):04X}" in got[1]
+
+
+def test_an_alias_in_a_split_text_is_refused_before_either_half_composes_it(monkeypatch):
+    """The halves would expand an anchor and its alias in the same half (an alias bomb in one of them); a text
+    with an `&` is scanned for aliases first, and the error is the one-process load's."""
+    monkeypatch.setattr(yamlsplit, "SPLIT_MIN_BYTES", 0)
+    _key, _header, at = yamlsplit.split_point(PLAIN)
+    line = PLAIN.index("    env:", at)
+    text = PLAIN[:line] + "    tags: &t [a, b]\n    more: *t\n" + PLAIN[line:]
+    assert yamlsplit.split_point(text) is not None
+    got = split(text)
+    assert got == whole(text) and got[0] == "error" and "YAML alias *t" in got[1]

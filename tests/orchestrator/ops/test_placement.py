@@ -58,6 +58,11 @@ def test_a_record_of_another_inventory_is_not_this_ones_run(inv):
     assert info.value.message.startswith("run 'gone-20261201T100000Z' was launched on target third "
                                          "(/c/runs/gone-20261201T100000Z), which this inventory does not reach")
     assert info.value.fix == "dflashctl runs  (this workstation's runs, with their targets)"
+    # A prefix of a run recorded elsewhere is no claim about it: a run id on the first target, as any other.
+    assert resolve(inv, "gone-20261201").placements == [Placement("first")]
+    # A record without a target (nor a run directory) is not another inventory's: the first target, as before.
+    records.append_record({"run_id": "old-20261201T100000Z", "experiment": "old"})
+    assert resolve(inv, "old-20261201T100000Z").record is not None
 
 
 def test_a_run_across_targets_is_every_node_and_target_narrows_it(inv):
