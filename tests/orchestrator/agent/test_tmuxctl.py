@@ -132,5 +132,8 @@ def test_the_start_answers_with_the_pane_that_runs_the_command_in_one_tmux_proce
     s = tmuxctl.new_session("dflash-a", "exec sleep 302", str(tmp_path), "a-1")
     assert calls.read_text().split() == ["new-session"]
     assert (s["name"], s["run_id"], s["dead"]) == ("dflash-a", "a-1", False)
-    assert Path(f"/proc/{s['pane_pid']}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"302"]
+    # The pane's process is the command's (the placeholder's was killed by respawn-pane); its shell may not
+    # have reached `exec sleep` yet when the answer comes back, so the same pid is watched until it does.
+    cmdline = Path(f"/proc/{s['pane_pid']}/cmdline")
+    wait_for(lambda: cmdline.read_bytes().split(b"\0")[:2] == [b"sleep", b"302"])
     assert s == tmuxctl.find_session("dflash-a")
