@@ -5,12 +5,14 @@ import socket
 import threading
 import time
 
+import paramiko
 import pytest
 
 from fakehost.strings import HOSTILE, PRINT_ARGV
 from orchestrator.errors import ConnectError, HostKeyError
 from orchestrator.transport.base import CommandTimeout
 from orchestrator.transport.ssh import SSHTransport
+from orchestrator.transport.sshconn import transport_over
 
 PY = "/usr/bin/python3"
 
@@ -118,6 +120,39 @@ def test_tcp_nodelay_and_keepalive_are_on(ssh):
     transport = ssh._conn.client.get_transport()
     assert transport.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     assert transport.packetizer._Packetizer__keepalive_interval == 15
+
+
+class _RecordingSocket(socket.socket):
+    """A TCP socket that notes each setsockopt call, and whether it came after a byte was sent."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.options: list[tuple] = []
+        self.sent = False
+
+    def setsockopt(self, level, option, value):
+        self.options.append((level, option, value, self.sent))
+        return super().setsockopt(level, option, value)
+
+    def send(self, data, *flags):
+        self.sent = True
+        return super().send(data, *flags)
+
+
+def test_nodelay_before_the_handshake_and_the_hosts_global_request_acknowledged_at_once(fake_pve):
+    # Each of the two is a ~40 ms stall of every connection: a handshake packet held by Nagle, and the first
+    # channel's confirmation held by sshd's Nagle until our delayed ACK of its hostkeys-00 request.
+    sock = _RecordingSocket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.connect((fake_pve.hostname, fake_pve.port))
+    transport = transport_over(sock)
+    try:
+        assert sock.options == [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1, False)]
+        transport.start_client(timeout=10)
+        transport.auth_publickey(fake_pve.user, paramiko.Ed25519Key.from_private_key_file(fake_pve.identity_file))
+        transport.open_session(timeout=10).close()  # sshd sends hostkeys-00 before it confirms the channel
+        assert sock.options[1:] == [(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1, True)]
+    finally:
+        transport.close()
 
 
 def test_aes_gcm_is_negotiated_first(ssh):
