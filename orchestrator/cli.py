@@ -88,19 +88,31 @@ def _usage_error(exc) -> int:
     return exc.exit_code
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started: tuple | None = None) -> int:
     """Entry point: run the app; map DflashError to its exit code and a readable message, a usage error to
-    one line and exit 2."""
+    one line and exit 2.
+
+    Args:
+        argv: the command line after the program name (default: sys.argv's).
+        started: `(the early connection or None)` when the console script has read the command line already,
+            against the grammar the state dir keeps (orchestrator.entry); None: it is read here, against the
+            click command, and its grammar kept for the next console script (orchestrator.commands.early).
+    """
     from orchestrator.errors import DflashError
 
     import typer.main
 
     argv = sys.argv[1:] if argv is None else list(argv)
     opts = Options()  # this invocation's; the callback fills it, the error handler reads --verbose from it
+    if started is not None:
+        opts.early = started[0]
     command = typer.main.get_command(app)  # what `app(...)` builds and runs; built once here
     try:
-        # A verb that reaches a container starts connecting now, before typer's parse (orchestrator.commands.early).
-        opts.early = early.start(command, argv)
+        if started is None:
+            # A verb that reaches a container starts connecting now, before typer's parse.
+            grammar = early.grammar(command)
+            early.remember(grammar)
+            opts.early = early.start(grammar, argv)
         # With standalone_mode=False click turns `raise typer.Exit(n)` into a return value, not an exception.
         rc = command.main(args=argv, prog_name="dflashctl", standalone_mode=False, obj=opts)
         return rc if isinstance(rc, int) else 0
@@ -138,12 +150,13 @@ def _dflash_error(exc, verbose: bool = False, inventory: str | None = None) -> i
     return exc.exit_code
 
 
-def run() -> None:
-    """The console script: main, then the streams flushed and the process ended at once. Everything a command
-    writes is closed by then (records and caches are written atomically, connections closed in `finally`), so
-    the interpreter's own teardown of every imported module (~0.05 s) buys nothing. A stream that cannot be
-    flushed (a closed pipe: `dflashctl runs | head -1`) ends the process with 120, as Python's own exit would."""
-    rc = main()
+def run(argv: list[str] | None = None, started: tuple | None = None) -> None:
+    """The console script's end (orchestrator.entry): main, then the streams flushed and the process ended at
+    once. Everything a command writes is closed by then (records and caches are written atomically, connections
+    closed in `finally`), so the interpreter's own teardown of every imported module (~0.05 s) buys nothing. A
+    stream that cannot be flushed (a closed pipe: `dflashctl runs | head -1`) ends the process with 120, as
+    Python's own exit would."""
+    rc = main(argv, started)
     try:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -34,6 +34,27 @@ def state_dir() -> Path:
     return Path(platformdirs.user_state_dir("dflashctl"))
 
 
+def read_state(name: str) -> str | None:
+    """The text of the state dir's small file `name` (a cache an earlier command kept), or None when it is
+    missing or unreadable."""
+    try:
+        return (state_dir() / name).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def write_state(name: str, text: str) -> bool:
+    """Write the state dir's small file `name` whole or not at all (agent.atomic). False when the state dir
+    cannot be written: these files are caches, and a caller goes on without one."""
+    path = state_dir() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_bytes(path, text.encode())
+    except OSError:
+        return False
+    return True
+
+
 def records_path() -> Path:
     return state_dir() / FILE_NAME
 

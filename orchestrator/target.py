@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from orchestrator.agent import events
 from orchestrator.bundle import build_bundle, source_root
 from orchestrator.errors import AgentError, RemoteCommandError, UserError
 from orchestrator.quoting import with_env
-from orchestrator.records import state_dir
+from orchestrator.records import read_state, write_state
 from orchestrator.transport.base import Result, Started, Transport
 from orchestrator.transport.local import LocalTransport
 from orchestrator.transport.pct import PctTransport
@@ -267,29 +266,22 @@ class ContainerTarget(BaseTarget):
         return f"{host}/{ctid}/{self.workdir}"
 
     def _bundle_known(self, bundle_hash: str) -> bool:
-        try:
-            known = json.loads((state_dir() / KNOWN_BUNDLES).read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(known, dict) and known.get(self.bundle_cache_key()) == bundle_hash
+        return self._known_bundles().get(self.bundle_cache_key()) == bundle_hash
 
     def _remember_bundle(self, bundle_hash: str) -> None:
-        """Record that the container holds this bundle, so later commands send only the request."""
-        path = state_dir() / KNOWN_BUNDLES
+        """Record that the container holds this bundle, so later commands send only the request (a cache:
+        losing it costs one inline bundle later, nothing else)."""
+        known = self._known_bundles()
+        known[self.bundle_cache_key()] = bundle_hash
+        write_state(KNOWN_BUNDLES, json.dumps(known))
+
+    @staticmethod
+    def _known_bundles() -> dict:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                known = json.loads(path.read_text())
-                known = known if isinstance(known, dict) else {}
-            except (OSError, ValueError):
-                known = {}
-            known[self.bundle_cache_key()] = bundle_hash
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".bundles-")
-            with os.fdopen(fd, "w") as f:
-                json.dump(known, f)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a cache: losing it costs one inline bundle later, nothing else
+            known = json.loads(read_state(KNOWN_BUNDLES) or "{}")
+        except ValueError:
+            return {}
+        return known if isinstance(known, dict) else {}
 
     def _run_agent(self, verb, payload, stream, timeout):
         """One exec per agent call. When this workstation does not know the container holds the bundle,

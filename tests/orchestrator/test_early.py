@@ -1,10 +1,14 @@
-"""The early connection read from the command line (orchestrator.commands.early): `main` starts it before
-typer's parse, from the click command typer built, and the verb hands it on; a line it cannot follow, or a
-verb that reaches no container, starts nothing."""
+"""The early connection read from the command line (orchestrator.commands.early): started before typer's
+parse, from the grammar of the click command typer built (kept in the state dir for the console script, which
+starts it before typer is imported), and the verb hands it on; a line it cannot follow, or a verb that
+reaches no container, starts nothing."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +31,7 @@ def asked(monkeypatch):
 
 
 COMMAND = typer.main.get_command(cli.app)
+GRAMMAR = early.grammar(COMMAND)
 
 
 @pytest.mark.parametrize("argv, want", [
@@ -39,7 +44,7 @@ COMMAND = typer.main.get_command(cli.app)
     (["warmup", "exp"], (None, None, "exp", None)),
 ])
 def test_the_verb_its_experiment_target_and_inventory_are_read_from_the_line(asked, argv, want):
-    early.start(COMMAND, argv)
+    early.start(GRAMMAR, argv)
     assert asked == [want]
 
 
@@ -54,7 +59,7 @@ def test_the_verb_its_experiment_target_and_inventory_are_read_from_the_line(ask
     [],
 ])
 def test_a_line_it_cannot_follow_or_a_verb_it_does_not_serve_starts_nothing(asked, argv):
-    assert early.start(COMMAND, argv) is None
+    assert early.start(GRAMMAR, argv) is None
     assert asked == []
 
 
@@ -71,7 +76,7 @@ def test_which_options_take_a_value_comes_from_the_click_command(asked):
     @app.command("other")
     def _other() -> None: ...
 
-    early.start(typer.main.get_command(app), ["launch", "--shiny", "not-the-experiment", "--quick", "exp"])
+    early.start(early.grammar(typer.main.get_command(app)), ["launch", "--shiny", "not-the-experiment", "--quick", "exp"])
     assert asked == [(None, None, "exp", "launch")]
 
 
@@ -105,3 +110,78 @@ def test_main_starts_the_launch_agent_call_before_the_inventory_is_validated(pve
         assert len(runs) == 1
     finally:
         pve.remove_container(996)
+
+
+def test_the_grammar_is_kept_in_the_state_dir_for_the_sources_that_made_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+    assert early.cached_grammar() is None  # nothing kept yet
+    early.remember(GRAMMAR)
+    assert early.cached_grammar() == GRAMMAR
+    path = tmp_path / "state" / early.GRAMMAR_FILE
+    kept = json.loads(path.read_text())
+    stamped = {Path(entry[0]).name for entry in kept["stamp"]}
+    assert {"cli.py", "early.py", "launch.py", "status.py", "warmup.py"} <= stamped  # what the grammar is made of
+    # A verb module changed since (its size or mtime differs): the kept grammar is not used.
+    kept["stamp"] = [[p, size + 1, mtime] if p.endswith("launch.py") else [p, size, mtime]
+                     for p, size, mtime in kept["stamp"]]
+    path.write_text(json.dumps(kept))
+    assert early.cached_grammar() is None
+    early.remember(GRAMMAR)  # written again from the click command
+    assert early.cached_grammar() == GRAMMAR
+
+
+@pytest.mark.parametrize("damage", [
+    lambda text: text[: len(text) // 2],  # truncated
+    lambda text: text.replace("true", '"yes"', 1),  # a flag's "takes a value" not a bool
+    lambda text: text.replace('"launch"', '"nosuch"'),  # a verb that is not in EARLY
+    lambda text: "[]",
+])
+def test_a_damaged_grammar_file_reads_as_none_never_as_a_wrong_grammar(tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+    early.remember(GRAMMAR)
+    path = tmp_path / "state" / early.GRAMMAR_FILE
+    path.write_text(damage(path.read_text()))
+    assert early.cached_grammar() is None
+
+
+def _console_script_run(tmp_path: Path, *argv: str) -> dict:
+    """orchestrator.entry.run in a fresh interpreter, with preconnect.start recording whether typer and the CLI
+    were imported when it was asked (and starting nothing)."""
+    code = (
+        "import json, sys\n"
+        "from orchestrator import preconnect\n"
+        "def start(inventory, target, experiment=None, verb=None):\n"
+        "    seen = {'typer': 'typer' in sys.modules, 'cli': 'orchestrator.cli' in sys.modules, 'verb': verb,\n"
+        "            'experiment': experiment}\n"
+        f"    open({str(tmp_path / 'seen.json')!r}, 'w').write(json.dumps(seen))\n"
+        "preconnect.start = start\n"
+        "from orchestrator import entry\n"
+        "sys.argv = ['dflashctl', *sys.argv[1:]]\n"
+        "entry.run()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), DFLASHCTL_STATE_DIR=str(tmp_path / "state"))
+    subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=60,
+                   stdin=subprocess.DEVNULL)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    (tmp_path / "seen.json").unlink()
+    return seen
+
+
+def test_the_console_script_starts_the_connection_before_typer_is_imported(tmp_path):
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("{}\n")  # what the inventory says does not matter here: preconnect.start only records
+    first = _console_script_run(tmp_path, "-i", str(inv), "launch", "exp")
+    assert first == {"typer": True, "cli": True, "verb": "launch", "experiment": "exp"}  # nothing kept yet: cli.main
+    assert (tmp_path / "state" / early.GRAMMAR_FILE).is_file()
+    again = _console_script_run(tmp_path, "-i", str(inv), "launch", "exp")
+    assert again == {"typer": False, "cli": False, "verb": "launch", "experiment": "exp"}
+
+
+def test_an_interrupt_during_the_early_start_is_one_line_and_130(tmp_path):
+    code = ("import sys\nfrom orchestrator.commands import early\n"
+            "def interrupted():\n    raise KeyboardInterrupt\n"
+            "early.cached_grammar = interrupted\nfrom orchestrator import entry\nentry.run()\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), DFLASHCTL_STATE_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", code, "launch", "exp"], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert (res.returncode, res.stderr) == (130, "interrupted\n")

@@ -129,3 +129,15 @@ def test_a_run_across_targets_diffs_each_node_by_name():
     assert d.packages == [("node 1 (ct201): torch", "2.9.0", "2.10.0")]
     assert d.environment == [("node 1 (ct201): torch", "2.9.0", "2.10.0")]
     assert records.diff_records(a, a).same
+
+
+def test_a_state_file_is_written_whole_and_a_state_dir_that_cannot_be_written_is_no_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+    assert records.read_state("cache.json") is None
+    assert records.write_state("cache.json", '{"a": 1}') is True
+    assert records.read_state("cache.json") == '{"a": 1}'
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["cache.json"]  # no temporary file left
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "file" / "state"))  # under a file: mkdir fails
+    assert records.write_state("cache.json", "{}") is False
+    assert records.read_state("cache.json") is None
