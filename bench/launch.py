@@ -44,6 +44,13 @@ Measured (2 CPUs shared with other jobs; `--repeats 3 --pct-delay 0.3`), 2026-12
       its development .pth files stood in, ~25 ms a call): command 0.76 s -> 1.34x, 0.22x; CPU 0.38 s;
       in-process 0.58 s. The workstation side as a user installs it (a fresh venv, `uv pip install .`) and
       as this tree's editable install (`--dev`) measure the same within 0.01 s.
+  2026-12-04 (later), `--repeats 5`, load 0.2-0.6, bare 0.57-0.58 s, by hand 3.47-3.49 s, before 0.78 s (1.35x,
+      0.22x):
+      TCP_NODELAY before the handshake, and the host's hostkeys-00 request acknowledged at once (a 40 ms
+      delayed ACK that held sshd's first channel confirmation in its Nagle buffer): connect + first channel
+      102 ms -> 23 ms; command 0.69 s -> 1.18x, 0.20x; in-process 0.50 s.
+      The console script starting the connection from the kept grammar, before typer is imported (the agent
+      call starts at ~0.15 s instead of ~0.19 s): command 0.65 s -> 1.15x, 0.19x; CPU 0.39 s.
 """
 
 from __future__ import annotations
