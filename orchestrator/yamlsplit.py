@@ -24,10 +24,11 @@ from typing import Any
 
 SPLIT_MIN_BYTES = 2 << 20
 """Smaller texts parse in one process faster than a second interpreter starts."""
-FIRST_SHARE = 0.52
-"""The first half's share of the nodes (it parses in this process): a little over half, because the second
-half's interpreter starts ~0.07 s later and its data is still to be read back when it ends. On a 10 MB
-inventory 0.52 took 2.35 s against 2.41 s at 0.5 and 0.51, 2.38 s at 0.53-0.54 (bench/inventory_load.py's text)."""
+FIRST_SHARE = 0.50
+"""The first half's share of the nodes (it parses in this process). The second half's interpreter starts
+~0.05 s later and its data is still to be read back when it ends, but it frees neither its node graph nor
+itself (yamlload._second_half), which this process does for its half: on a 10 MB inventory 0.50 took 2.20 s
+against 2.21 s at 0.48, 2.25 s at 0.52 and 2.27 s at 0.46 (bench/inventory_load.py's text, a slow hour)."""
 
 # Anchored on the newline before a line, not on `^` under re.M: the scan of a 10 MB text is 7x faster.
 _NO_SPLIT = re.compile(r"\n(?:%|---|\.\.\.|\t)")
