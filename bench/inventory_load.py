@@ -7,7 +7,9 @@ The inventory is dense (a container target per ~60 bytes, command experiments wi
 worst shape per byte for a YAML composer. Each round runs, one after the other, the YAML pass as it was
 (commit 4a5d31d: libyaml's composer, PyYAML's safe constructor for every node), the first load now in one
 process (yamlsplit's threshold out of reach), the first load now (a text over 2 MiB parses its two halves in
-two processes, orchestrator.yamlsplit), and the same text again (its data from the state dir's cache); the
+two processes, orchestrator.yamlsplit), and the same text again (its data from the state dir's cache); a first
+load is a user's first load of the file: nothing in the cache, its entry written (before 2026-12-04's last
+line, the first loads were measured with the cache off, ~0.08 s less than a user's: the entry's bytes); the
 best of the rounds is printed in wall and CPU seconds (CPU counts the second half's process too), then the
 located pass alone (what an error or `line_of` costs). Goal (issue 20): the `--mb 10` file in under 2 s.
 
@@ -23,6 +25,10 @@ an hour (the `before` line is the yardstick: 4.8-6.6 s for the same work):
     2026-12-04, load 1.2   before 8.14 s   one process 3.76 s   two processes 2.32 s (4.03)  1.62x   cached 0.55 s
         (the same slow hour, after: halves that both parse skip the control-character scan, the first half takes
         52% of the nodes, the names of a section are checked in one pass)
+    2026-12-04, load 0.8   before 7.75 s   one process 3.69 s   two processes 2.28 s (3.97)   cache off, at the start
+    2026-12-04, load 1.0   before 7.78 s   one process 3.81 s   two processes 2.22 s (3.86)   cache entry written
+        (after: the second half's process keeps the GC off, frees nothing and ends with os._exit; this process
+        frees its half's node graph while the child still parses; the first half takes 48% of the nodes)
 
 Where a first load's time goes (10 MB, two processes, the 1.94 s run): the cut found and the second half's
 interpreter started 0.05 s, the control-character scan 0.03 s, the first half parsed here 1.26 s while the
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -153,11 +160,15 @@ def main() -> int:
     runs: dict[str, list[tuple[float, float]]] = {"before": [], "one process": [], "first": [], "cached": []}
     with tempfile.TemporaryDirectory() as state:
         os.environ["DFLASHCTL_STATE_DIR"] = state
+        def first(t):  # as a user's first load of the file: nothing kept yet, its cache entry written
+            shutil.rmtree(Path(state) / inventory.CACHE_DIR, ignore_errors=True)
+            return inventory.parse_inventory(t, "bench.yaml")
+
         loads = {"before": before,
-                 "one process": lambda t: one_process(lambda: inventory.parse_inventory(t, "bench.yaml", cache=False)),
-                 "first": lambda t: inventory.parse_inventory(t, "bench.yaml", cache=False),
+                 "one process": lambda t: one_process(lambda: first(t)),
+                 "first": first,
                  "cached": lambda t: inventory.parse_inventory(t, "bench.yaml")}
-        inventory.parse_inventory(big, "bench.yaml")  # fills the cache (and builds the validators)
+        inventory.parse_inventory(big, "bench.yaml")  # builds the validators
         for _ in range(args.repeats):  # alternated, so a busy neighbour slows all three alike
             for name, load in loads.items():
                 gc.collect()

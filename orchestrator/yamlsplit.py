@@ -24,11 +24,12 @@ from typing import Any
 
 SPLIT_MIN_BYTES = 2 << 20
 """Smaller texts parse in one process faster than a second interpreter starts."""
-FIRST_SHARE = 0.50
+FIRST_SHARE = 0.48
 """The first half's share of the nodes (it parses in this process). The second half's interpreter starts
 ~0.05 s later and its data is still to be read back when it ends, but it frees neither its node graph nor
-itself (yamlload._second_half), which this process does for its half: on a 10 MB inventory 0.50 took 2.20 s
-against 2.21 s at 0.48, 2.25 s at 0.52 and 2.27 s at 0.46 (bench/inventory_load.py's text, a slow hour)."""
+itself (yamlload._second_half), while this process frees its half's graph and makes the cache entry's bytes
+of its half (yamlload._first_half_and_merge). A first load of a 10 MB inventory, its cache entry written, took
+2.24 s at 0.48 against 2.29 s at 0.46 and 2.31 s at 0.50 (bench/inventory_load.py's text, a slow hour)."""
 
 # Anchored on the newline before a line, not on `^` under re.M: the scan of a 10 MB text is 7x faster.
 _NO_SPLIT = re.compile(r"\n(?:%|---|\.\.\.|\t)")

@@ -168,8 +168,8 @@ def test_a_split_load_is_cached_as_its_halves_and_read_back_without_a_parse(tmp_
     kept = marshal.loads(entry.read_bytes())
     assert isinstance(kept, tuple) and kept[:2] == ("halves", "experiments")  # the child's bytes, not re-made
     parsed = []
-    real = yamlload.Loader.get_single_data
-    monkeypatch.setattr(yamlload.Loader, "get_single_data", lambda self: parsed.append(1) or real(self))
+    real = yamlload.Loader.get_single_node  # what every parse composes with (the halves' and the whole text's)
+    monkeypatch.setattr(yamlload.Loader, "get_single_node", lambda self: parsed.append(1) or real(self))
     assert yamlload.load_plain(text, "inv.yaml", cache_dir=tmp_path) == first and parsed == []
     entry.write_bytes(marshal.dumps(("halves", "experiments", marshal.dumps({}), marshal.dumps([]))))
     assert yamlload.load_plain(text, "inv.yaml", cache_dir=tmp_path) == first and parsed  # a bad entry: parsed again
