@@ -19,9 +19,9 @@ import typer
 
 from orchestrator.commands import (
     attach,
-    early,
     diagnose,
     doctor,
+    early,
     launch,
     lock,
     logs,

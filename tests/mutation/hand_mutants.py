@@ -40,8 +40,8 @@ _VERBS = ("doctor", "trust", "diagnose", "rebuild_venv", "lock", "launch", "stat
           "metrics", "warmup", "runs")
 _SILENT_CLI = (
     "orchestrator/cli.py",
-    "from orchestrator.commands import (\n" + "".join(f"    {n},\n" for n in sorted(_VERBS)) + ")\n",
-    f"import importlib as _il\n_verbs = []\nfor _n in {_VERBS!r}:\n    try:\n"
+    "from orchestrator.commands import (\n" + "".join(f"    {n},\n" for n in sorted((*_VERBS, "early"))) + ")\n",
+    f"from orchestrator.commands import early\nimport importlib as _il\n_verbs = []\nfor _n in {_VERBS!r}:\n    try:\n"
     "        _verbs.append(_il.import_module('orchestrator.commands.' + _n))\n"
     "    except ImportError:\n        pass\n",
 )
