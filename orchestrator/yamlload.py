@@ -90,10 +90,13 @@ class Loader(_Base):
         self.__dict__.pop("resolve", None)  # the memo (and the loader it refers back to) freed now
 
     def get_single_data(self):
+        return self.get_data_and_graph()[0]
+
+    def get_data_and_graph(self) -> tuple[Any, Any]:
+        """(the data, the node graph it was built from), for a caller that frees the graph when it has the time
+        (or never: the second half's process)."""
         node = self.get_single_node()
-        if node is None:
-            return None
-        return _Builder(self).value(node)
+        return (None if node is None else _Builder(self).value(node)), node
 
 
 class _Builder:
@@ -323,12 +326,6 @@ def _data(loader: Loader) -> Any:
     return loader.get_single_data()
 
 
-def _data_and_graph(loader: Loader) -> tuple[Any, Any]:
-    """(the data, the node graph it was built from), so that the caller frees the graph when it has the time."""
-    node = loader.get_single_node()
-    return (None if node is None else _Builder(loader).value(node)), node
-
-
 def _start_second_half(text: str) -> tuple[tuple[str, str, int], subprocess.Popen] | None:
     """A large text's first pass in two processes (orchestrator.yamlsplit: where the text can be cut so that
     its halves' data merge into its own): the second half's, started now in a new interpreter (`python -m
@@ -358,7 +355,7 @@ def _first_half_and_merge(text: str, source: str, cut: tuple[str, str, int], chi
     second's are the child's own). (None, None) where a half does not parse or the halves do not fit together:
     the caller then parses the whole text, and names its errors from that one parse."""
     try:
-        first, graph = run_loader(_DataLoader, yamlsplit.halves(text, cut)[0], source, _data_and_graph)
+        first, graph = run_loader(_DataLoader, yamlsplit.halves(text, cut)[0], source, Loader.get_data_and_graph)
     except (InventoryError, DuplicateKey, UnicodeEncodeError):  # (a lone surrogate: PyYAML cannot encode it)
         first = graph = None
         child.kill()
@@ -387,8 +384,8 @@ def _second_half() -> None:
     text = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
     loader = _DataLoader(text)
     try:
-        node = loader.get_single_node()  # kept to the end: see above
-        blob = marshal.dumps(None if node is None else _Builder(loader).value(node))
+        data, graph = loader.get_data_and_graph()  # the graph kept to the end: see above
+        blob = marshal.dumps(data)
     except (yaml.YAMLError, DuplicateKey, ValueError):
         os._exit(3)
     sys.stdout.buffer.write(blob)
