@@ -185,3 +185,28 @@ def test_an_interrupt_during_the_early_start_is_one_line_and_130(tmp_path):
     res = subprocess.run([sys.executable, "-c", code, "launch", "exp"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert (res.returncode, res.stderr) == (130, "interrupted\n")
+
+
+def test_the_installed_script_launches_on_the_connection_it_started_from_the_kept_grammar(pve, tmp_path, dflashctl):
+    """`dflashctl launch` as a user runs it, twice: the first keeps the grammar, the second starts its agent call
+    from it before typer is imported, and that call is the launch's one `pct exec` (one dropped and a second
+    made would be two)."""
+    ct = pve.create_container(997, gpus=0)
+    inv = {"hosts": {"pve": pve.host_entry()},
+           "targets": {"ct": {"kind": "container", "host": "pve", "ctid": 997, "workdir": ct.workdir, "venv": "sys"}},
+           "venvs": {"sys": {"kind": "system"}},
+           "experiments": {name: {"kind": "command", "target": "ct", "command": ["true"]} for name in ("e1", "e2")}}
+    path = tmp_path / "inv.yaml"
+    path.write_text(json.dumps(inv))
+    env = dict(os.environ, DFLASHCTL_STATE_DIR=str(tmp_path / "state"))
+    try:
+        first = dflashctl("-i", str(path), "launch", "e1", "--json", env=env)
+        assert first.returncode == 0, first.stderr
+        assert (tmp_path / "state" / early.GRAMMAR_FILE).is_file()
+        pve.clear_pct_calls()
+        second = dflashctl("-i", str(path), "launch", "e2", "--json", env=env)
+        assert second.returncode == 0, second.stderr
+        assert len(pve.pct_exec_calls(997)) == 1
+        assert sorted(p.name.split("-")[0] for p in (Path(ct.workdir) / "runs").iterdir()) == ["e1", "e2"]
+    finally:
+        pve.remove_container(997)
