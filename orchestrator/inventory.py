@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from orchestrator import located, yamlload
 from orchestrator.errors import InventoryError
 from orchestrator.inventory_file import (  # noqa: F401 - the lookup lives there, light enough for preconnect
+    CACHE_DIR,
     CONTAINER_HOME,
     CONTAINER_WORKDIR,
     EMBEDDED,
@@ -65,10 +66,6 @@ from orchestrator.inventory_refs import check_references
 from orchestrator.located import suggest  # noqa: F401 - used by the verbs' name lookups
 from orchestrator.records import state_dir
 
-# Where the plain data of large inventories is kept between commands (orchestrator.yamlload's cache).
-CACHE_DIR = "yaml-cache"
-
-
 def parse_inventory(text: str, source: str = "inventory.yaml", *, cache: bool = True) -> Inventory:
     """Parse and validate inventory text. `source` is the name used in error messages; `cache`: a large
     text's data may be read from (and kept in) the state dir's cache.
@@ -77,7 +74,7 @@ def parse_inventory(text: str, source: str = "inventory.yaml", *, cache: bool = 
         InventoryError: syntax, unknown keys, wrong types, bad names, dangling references; every problem
             on its own line as `FILE:LINE: key.path: what` (all of them, not just the first).
     """
-    with yamlload.no_gc():
+    with yamlload.no_gc(freeze=len(text) >= yamlload.CACHE_MIN_BYTES):  # a large inventory's models are kept
         return _parse(text, source, cache)
 
 

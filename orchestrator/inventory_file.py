@@ -19,6 +19,9 @@ CONTAINER_WORKDIR = "/root/dflash"
 CONTAINER_HOME = "/root"
 PCT = "pct"
 EMBEDDED = "<embedded default inventory>"
+CACHE_DIR = "yaml-cache"
+"""Where, in the state dir (orchestrator.records.state_dir), the plain data of large inventories is kept between
+commands (orchestrator.yamlload's cache): the command's load and its early connection's read use the one cache."""
 DEFAULT_RESOURCE = "inventory.yaml"
 
 

@@ -11,6 +11,9 @@
 - A text over yamlsplit.SPLIT_MIN_BYTES with a safe cut (orchestrator.yamlsplit) is parsed in two processes:
   the second half in `python -m orchestrator.yamlload` (this module's main), the first here meanwhile. Anything
   but a clean merge and the whole text is parsed here, so its errors come from that one parse.
+- A caller that only reads the data can lend it (`lend=True`): this process's next load_plain of the same
+  text takes it instead of parsing (or reading the cache) again. A command's early connection reads the
+  inventory before the command loads it (orchestrator.preconnect): a 10 MB inventory is parsed once, not twice.
 - `Loader` (the composer with its marks) and `run_loader` serve the second pass too.
 """
 
@@ -41,6 +44,11 @@ CACHE_MIN_BYTES = 256 * 1024
 CACHE_KEEP = 4
 # The format names the checks too: an entry is only written for a text that passed them.
 _CACHE_FORMAT = f"3-py{sys.version_info[0]}.{sys.version_info[1]}-pyyaml{yaml.__version__}"
+
+_lent: list[tuple[str, Any]] = []
+"""(text, its data) lent by the last `load_plain(..., lend=True)`, until the next load_plain takes it (a list:
+its pop is one step under the GIL, so two threads cannot both take it)."""
+
 
 class DuplicateKey(Exception):
     """The first pass found a mapping with fewer keys than entries (a duplicate key, or a `<<` merge's
@@ -243,15 +251,22 @@ def yaml_error(exc: yaml.YAMLError, source: str) -> InventoryError:
 
 
 @contextlib.contextmanager
-def no_gc():
+def no_gc(freeze: bool = False):
     """The cyclic GC off for a block that builds a large acyclic graph (a YAML document, its models): each
-    collection would walk everything built so far again (on a 10 MB inventory, 3x the validation's time)."""
+    collection would walk everything built so far again (on a 10 MB inventory, 3x the validation's time).
+
+    `freeze`: what the block built is kept (a large inventory's data, its models). Every object made while
+    the GC was off is in its youngest generation, so the first collection after it is back on would walk
+    them all (~0.2 s after a 10 MB inventory, in whatever the command does next); gc.freeze moves them out of
+    every future collection's way instead. A frozen object is still freed when its last reference goes."""
     collecting = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if collecting:
+            if freeze:
+                gc.freeze()
             gc.enable()
 
 
@@ -269,16 +284,39 @@ def run_loader(loader_cls, text: str, source: str, fn):
 
 
 def load_plain(text: str, source: str, *, fixable: bool = True, cache_dir: Path | None = None,
-               merges: bool = False) -> Any:
+               merges: bool = False, lend: bool = False) -> Any:
     """The plain data of YAML `text` (`cache_dir`: where large texts' data is kept).
 
     Args:
         merges: a mapping with fewer keys than entries is a `<<` merge's override (the caller has checked
             that no key is a duplicate); without it such a mapping raises DuplicateKey.
+        lend: the caller only reads the data, and this process's next load_plain takes it when its text is
+            the same (any other text drops it); the data of a text lent before is taken here either way.
     Raises:
         InventoryError: a control character, a YAML syntax error or an alias, as one `FILE:LINE: what` line.
         DuplicateKey: a mapping shorter than its entries (orchestrator.located names the duplicate's line).
     """
+    data = _take_lent(text)
+    if data is None:
+        # Off to the end: turned back on under a half's node graph, the GC's next collection walks all of it.
+        with no_gc(freeze=len(text) >= CACHE_MIN_BYTES):
+            data = _load(text, source, fixable, cache_dir, merges)
+    if lend:
+        _lent[:] = [(text, data)]
+    return data
+
+
+def _take_lent(text: str) -> Any:
+    """The data lent with `text` (taken: a second call returns None), else None (also for an empty text's,
+    which parses again at no cost)."""
+    try:
+        lent_text, data = _lent.pop()
+    except IndexError:
+        return None
+    return data if lent_text == text else None
+
+
+def _load(text: str, source: str, fixable: bool, cache_dir: Path | None, merges: bool) -> Any:
     path = _cache_path(text, cache_dir)
     if path is not None:
         try:  # only a text that passed every check below was kept, under this format's key

@@ -6,6 +6,7 @@ Subdirectories add their own fixtures in their own conftest.py files.
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -29,6 +30,17 @@ def own_state_dir(tmp_path, monkeypatch):
     if os.environ.get("DFLASHCTL_STATE_DIR") != _STATE_AT_START:
         return
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+
+
+@pytest.fixture(autouse=True)
+def own_process_state():
+    """What a test's loads leave in this process goes with the test: the data an early read lent
+    (orchestrator.yamlload's `lend`) and the objects a large load froze out of the GC's way (gc.freeze)."""
+    yield
+    from orchestrator import yamlload
+
+    yamlload._lent.clear()
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,43 @@ def test_a_local_target_or_an_unreadable_inventory_starts_nothing(fake_pve, tmp_
     assert preconnect.start(str(tmp_path / "bad.yaml"), "ct") is None
 
 
+def count_parses(monkeypatch) -> list[str]:
+    """The texts yamlload parses (or reads from its cache) from now on: its one step below the lent data."""
+    from orchestrator import yamlload
+
+    seen: list[str] = []
+    load = yamlload._load
+
+    def counted(text, *args):
+        seen.append(text)
+        return load(text, *args)
+
+    monkeypatch.setattr(yamlload, "_load", counted)
+    return seen
+
+
+def test_the_early_read_is_the_loads_own_first_pass_and_the_command_parses_once(tmp_path, monkeypatch):
+    """Until 2026-12-07 the early read was PyYAML's CSafeLoader over the whole text (17 s of a command on a 10 MB
+    inventory, before the load parsed it again); now it is yamlload's first pass, lent to the command's load."""
+    path = write_inv(tmp_path, {"ssh": "127.0.0.1"})
+    parses = count_parses(monkeypatch)
+    found = preconnect._host_key(str(path), None, "e")
+    assert found is not None and found[1] == "ct" and parses == [path.read_text()]  # the first pass, once
+    inv = load_inventory(path)
+    assert len(parses) == 1 and inv.target("ct").ctid == 990  # the lent data, validated
+    load_inventory(path)
+    assert len(parses) == 2  # lent once: a second load parses
+
+
+def test_an_inventory_changed_after_the_early_read_is_loaded_as_it_is_now(tmp_path, monkeypatch):
+    path = write_inv(tmp_path, {"ssh": "127.0.0.1"})
+    parses = count_parses(monkeypatch)
+    assert preconnect._host_key(str(path), "ct", None) is not None
+    write_inv(tmp_path, {"ssh": "127.0.0.1"}, ctid=991)  # edited between the early read and the load
+    assert load_inventory(path).target("ct").ctid == 991 and len(parses) == 2
+    assert load_inventory(path).target("ct").ctid == 991  # (and the first text's data was dropped, not kept)
+
+
 def test_a_connection_made_for_other_settings_is_closed_not_used(fake_pve, tmp_path):
     path = write_inv(tmp_path, fake_pve.host_entry())
     early = preconnect.start(str(path), "ct")
