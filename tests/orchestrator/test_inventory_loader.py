@@ -20,6 +20,16 @@ DOCS = [
     "block: |\n  text\n  more\nfolded: >\n  fold\n  ed\n'quoted key': v\n\"dq key\": 1\nempty:\n",
     "top level scalar\n",
     "- a list\n- at the top\n",
+    # Implicit tags by first character and style: `target`, `true_x`, `no_x`, `-x`, `.x`, `~x` start like a
+    # bool, an int, a float or a null and are text; a quoted `'12'` is text where a plain 12 is an int; a
+    # non-specific `!` is what libyaml's flags make it (`! 12`: an int, as the C safe loader reads it); on a
+    # collection, its default tag; the same inside a `<<` merge, which PyYAML's constructor builds.
+    "a: ! 12\nb: ! yes\nc: ! ~\nd: !!str 5\ne: !<tag:yaml.org,2002:str> 6\nf: ! {x: 1}\ng: ! [1, 2]\n",
+    "m: {<<: {a: 1}, b: ! 12, c: 12, d: [! 13, 13], e: '12', f: \"13\"}\n",
+    "! 12\n",
+    "target: t\ntrue_x: tx\nno_x: nx\n-x: -1\n+x: +1\n.x: .5\n~x: ~\n'1': '2'\n\"yes\": \"no\"\n",
+    "- 012\n- 0b101\n- 1:30\n- 190:20:30\n- 1_0\n- -0\n- 0.0\n- .NaN\n- -.inf\n- Null\n- NULL\n- TRUE\n- Y\n- n\n",
+    "k: |-\n  12\nj: >\n  yes\nl: ''\nm:\nn: '-'\no: [-, ~, '']\n",
 ]
 
 
