@@ -29,6 +29,11 @@ an hour (the `before` line is the yardstick: 4.8-6.6 s for the same work):
     2026-12-04, load 1.0   before 7.78 s   one process 3.81 s   two processes 2.22 s (3.86)   cache entry written
         (after: the second half's process keeps the GC off, frees nothing and ends with os._exit; this process
         frees its half's node graph while the child still parses; the first half takes 48% of the nodes)
+    2026-12-07, load 1.0   before 5.59 s   one process 2.84 s   two processes 1.90 s (3.12)   another machine
+    2026-12-07, load 1.1   before 7.16 s   one process 3.55 s   two processes 2.29 s (3.82)   the same, a slower hour
+
+A command reads the inventory once more before this load, for its early connection: bench/inventory_command.py
+times the whole command (until 2026-12-07 that read cost 17 s of a 10 MB inventory's launch).
 
 Where a first load's time goes (10 MB, two processes, the 1.94 s run): the cut found and the second half's
 interpreter started 0.05 s, the control-character scan 0.03 s, the first half parsed here 1.26 s while the
