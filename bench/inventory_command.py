@@ -20,6 +20,7 @@ command line's grammar (cli-grammar.json) across the runs, as a user's does.
 Measured (2 shared CPUs; 10.0 MB, best of 3, wall seconds):
 
     2026-12-07, load 1.1   before 17.20 s   now, first 2.38 s (7.2x)   now, cached 0.87 s (19.8x)
+    2026-12-07, load 1.0   before 16.17 s   now, first 2.01 s (8.1x)   now, cached 0.78 s (20.8x)
 """
 
 from __future__ import annotations

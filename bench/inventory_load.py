@@ -31,6 +31,7 @@ an hour (the `before` line is the yardstick: 4.8-6.6 s for the same work):
         frees its half's node graph while the child still parses; the first half takes 48% of the nodes)
     2026-12-07, load 1.0   before 5.59 s   one process 2.84 s   two processes 1.90 s (3.12)   another machine
     2026-12-07, load 1.1   before 7.16 s   one process 3.55 s   two processes 2.29 s (3.82)   the same, a slower hour
+    2026-12-07, load 0.9   before 5.96 s   one process 2.72 s   two processes 1.68 s (2.81)   the same, later
 
 A command reads the inventory once more before this load, for its early connection: bench/inventory_command.py
 times the whole command (until 2026-12-07 that read cost 17 s of a 10 MB inventory's launch).
