@@ -33,6 +33,7 @@ from orchestrator.inventory_file import (  # noqa: F401 - the lookup lives there
     EMBEDDED,
     ENV_VAR,
     PCT,
+    cache_dir,
     embedded_text,
     find_inventory,
     read_inventory,
@@ -64,7 +65,7 @@ from orchestrator.inventory_models import (  # noqa: F401 - the models' names, i
 )
 from orchestrator.inventory_refs import check_references
 from orchestrator.located import suggest  # noqa: F401 - used by the verbs' name lookups
-from orchestrator.records import state_dir
+
 
 def parse_inventory(text: str, source: str = "inventory.yaml", *, cache: bool = True) -> Inventory:
     """Parse and validate inventory text. `source` is the name used in error messages; `cache`: a large
@@ -79,8 +80,7 @@ def parse_inventory(text: str, source: str = "inventory.yaml", *, cache: bool = 
 
 
 def _parse(text: str, source: str, cache: bool) -> Inventory:
-    raw = located.load_data(text, source, fixable=source != EMBEDDED,
-                            cache_dir=state_dir() / CACHE_DIR if cache else None)
+    raw = located.load_data(text, source, fixable=source != EMBEDDED, cache_dir=cache_dir() if cache else None)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

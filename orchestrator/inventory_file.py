@@ -20,14 +20,21 @@ CONTAINER_HOME = "/root"
 PCT = "pct"
 EMBEDDED = "<embedded default inventory>"
 CACHE_DIR = "yaml-cache"
-"""Where, in the state dir (orchestrator.records.state_dir), the plain data of large inventories is kept between
-commands (orchestrator.yamlload's cache): the command's load and its early connection's read use the one cache."""
+"""The name, in the state dir, of yamlload's cache of large inventories' plain data (see `cache_dir`)."""
 DEFAULT_RESOURCE = "inventory.yaml"
 
 
 def embedded_text() -> str:
     """The text of the embedded default inventory (packaged with orchestrator)."""
     return assets.read_text(DEFAULT_RESOURCE)
+
+
+def cache_dir() -> Path:
+    """Where the plain data of large inventories is kept between commands (orchestrator.yamlload's cache):
+    the command's load and its early connection's read (orchestrator.preconnect) use the one cache."""
+    from orchestrator.records import state_dir
+
+    return state_dir() / CACHE_DIR
 
 
 def user_config_path() -> Path:

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 
 from orchestrator.errors import DflashError
-from orchestrator.inventory_file import CACHE_DIR, CONTAINER_HOME, CONTAINER_WORKDIR, PCT, read_inventory
+from orchestrator.inventory_file import CONTAINER_HOME, CONTAINER_WORKDIR, PCT, cache_dir, read_inventory
 from orchestrator.transport.ssh import SETTINGS, SSHSettings
 
 READY_WAIT_S = 0.5
@@ -182,10 +182,9 @@ def _host_key(inventory: str | None, target: str | None, experiment: str | None)
         # The command's own first pass, its data lent to the command's load, which takes it instead of parsing
         # again (and the cache's, where the command's load would look): a large inventory is read once.
         from orchestrator import yamlload
-        from orchestrator.records import state_dir
 
         text, source = read_inventory(inventory)
-        raw = yamlload.load_plain(text, source, cache_dir=state_dir() / CACHE_DIR, lend=True)
+        raw = yamlload.load_plain(text, source, cache_dir=cache_dir(), lend=True)
         if target is None:
             target = raw["experiments"][experiment]["target"]
         spec = raw["targets"][target]

@@ -91,6 +91,33 @@ def test_an_inventory_changed_after_the_early_read_is_loaded_as_it_is_now(tmp_pa
     assert load_inventory(path).target("ct").ctid == 991  # (and the first text's data was dropped, not kept)
 
 
+def test_the_early_reads_cache_entry_is_the_one_the_next_commands_load_reads(tmp_path, monkeypatch):
+    """A large inventory's data, kept by the early read (the load takes the lent data and keeps nothing), is
+    where the next command's load looks: that load parses nothing."""
+    from orchestrator import inventory_file, yamlload
+
+    path = tmp_path / "inv.yaml"
+    path.write_text(_block_inventory("".join(f"  c{i}: {{kind: command, target: ct, command: ['true', '[{i}]']}}\n"
+                                             for i in range(9000))))
+    assert path.stat().st_size > yamlload.CACHE_MIN_BYTES
+    assert preconnect._host_key(str(path), None, "e") is not None
+    assert len(list(inventory_file.cache_dir().glob("*.marshal"))) == 1
+    load_inventory(path)  # takes the lent data
+    yamlload._lent.clear()  # as in the next command's process
+    composed = []
+    real = yamlload.Loader.get_single_node
+    monkeypatch.setattr(yamlload.Loader, "get_single_node", lambda self: composed.append(1) or real(self))
+    inv = load_inventory(path)
+    assert composed == [] and inv.experiment("c8999").command == ["true", "[8999]"]
+
+
+def _block_inventory(experiments: str) -> str:
+    return ("hosts:\n  pve: {ssh: 127.0.0.1}\n"
+            "targets:\n  ct: {kind: container, host: pve, ctid: 990, venv: sys}\n"
+            "venvs:\n  sys: {kind: system}\n"
+            "experiments:\n  e: {kind: command, target: ct, command: ['true']}\n" + experiments)
+
+
 def test_a_connection_made_for_other_settings_is_closed_not_used(fake_pve, tmp_path):
     path = write_inv(tmp_path, fake_pve.host_entry())
     early = preconnect.start(str(path), "ct")
